@@ -1,0 +1,64 @@
+"""The `quill` command: serve, chat, generate, info, selftest, trace, memory, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quill",
+        description="quill: a small, measurable LLM inference engine and OpenAI-compatible server. "
+                    "With no --model it runs the embedded SmolLM2-135M-Instruct (Q4_1 GGUF).",
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING; INFO shows per-request lines)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from quill.commands import chat, generate, info, selftest
+
+    generate.register(sub)
+    chat.register(sub)
+    info.register(sub)
+    selftest.register(sub)
+    _register_optional(sub, "quill.server.serve_cmd")
+    _register_optional(sub, "quill.commands.trace")
+    _register_optional(sub, "quill.memory")
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), latency (engine vs llama.cpp)")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    _register_optional(bench_sub, "quill.bench.serve")
+    _register_optional(bench_sub, "quill.bench.latency")
+    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
+    return parser
+
+
+def _register_optional(sub, module: str) -> None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("quill"):
+            return  # that command is not built yet
+        raise
+    mod.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    level = getattr(args, "log_level", "WARNING")
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""`quill info`: architecture, parameters, tensor types, context and KV bytes per token."""
+
+from __future__ import annotations
+
+import argparse
+
+from quill.cli_args import add_model_arg
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("info", help="describe a model: shape, tensor types, KV bytes per token")
+    add_model_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from quill.models.loader import load_model
+
+    loaded = load_model(args.model)
+    for key, value in describe(loaded).items():
+        print(f"{key:<22} {value}")
+    return 0
+
+
+def describe(loaded) -> dict:
+    c = loaded.config
+    kv = c.kv_bytes_per_token(4)
+    types = ", ".join(f"{k} x{v}" for k, v in sorted(loaded.tensor_types.items()))
+    return {
+        "model": loaded.name,
+        "path": str(loaded.path),
+        "format": loaded.file_format,
+        "architecture": c.architecture,
+        "parameters": f"{c.num_parameters:,} ({c.num_parameters / 1e6:.1f} M)",
+        "file size": f"{loaded.file_bytes / 2**20:.1f} MiB",
+        "tensor types": types,
+        "layers": c.num_layers,
+        "hidden size": c.hidden_size,
+        "heads / kv heads": f"{c.num_heads} / {c.num_kv_heads} (head_dim {c.head_dim})",
+        "vocab size": c.vocab_size,
+        "context length": c.max_position_embeddings,
+        "rope": f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling_dict}" if c.rope_scaling else ""),
+        "tied embeddings": c.tie_word_embeddings,
+        "KV bytes per token": f"{kv:,} B = {kv / 1024:.1f} KiB fp32 "
+                              f"(2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x {c.head_dim} x 4 B); "
+                              f"{c.kv_bytes_per_token(2) / 1024:.1f} KiB fp16",
+    }

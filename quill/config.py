@@ -1,0 +1,141 @@
+"""Frozen configuration dataclasses: model shape, KV cache, scheduler and engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+_MODEL_TYPES = {v: v for v in SUPPORTED_ARCHITECTURES.values()}
+
+
+class UnsupportedModelError(ValueError):
+    """The model file uses an architecture or tensor type quill cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder; built from config.json or GGUF metadata."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] | None = None  # frozen dict items
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element (DESIGN.md)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    @cached_property
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        per_layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelConfig":
+        archs = config.get("architectures") or [config.get("model_type", "?")]
+        arch = SUPPORTED_ARCHITECTURES.get(archs[0]) or _MODEL_TYPES.get(archs[0])
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs[0]!r}; quill runs {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = config.get("rope_scaling") or config.get("rope_parameters")
+        if rope_scaling:
+            rope_scaling = dict(rope_scaling)
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if rope_type in (None, "default"):
+                rope_scaling = None
+            elif rope_type != "llama3":
+                raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}; quill supports 'llama3'")
+        rope_theta = config.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mistral") else None
+        return cls(
+            architecture=arch,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta),
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", arch == "qwen2")),
+            sliding_window=sliding,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_hf_config(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, memory budget and prefix caching."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None = derived from free RAM
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None  # tests: an exact pool size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits for continuous batching."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_waiting: int | None = None  # admission beyond this is refused (server sheds load)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start."""
+
+    model: str | None = None  # path; None = the embedded default model
+    device: str = "cpu"
+    threads: int | None = None
+    max_model_len: int | None = None  # None = the model's context length
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,182 @@
+"""AsyncEngine: the engine loop in a background thread, with an asyncio-facing API for the server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from quill.config import EngineConfig
+from quill.engine.engine import LLMEngine
+from quill.engine.errors import AdmissionError
+from quill.outputs import CompletionOutput, RequestOutput
+from quill.sampling_params import SamplingParams
+
+logger = logging.getLogger("quill.engine")
+
+
+class AsyncEngine:
+    """Owns one LLMEngine; only the loop thread touches it after start()."""
+
+    def __init__(self, engine: LLMEngine, cold_start: dict[str, float] | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.max_model_len = engine.max_model_len
+        self.model_name = engine.model_name
+        self.cold_start = cold_start or {}
+        self.on_request_finished: list[Callable[[str, CompletionOutput], None]] = []
+        self._commands: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._admitting = True
+        self._gauges: dict = engine.gauges()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        t0 = time.perf_counter()
+        engine = LLMEngine(config)
+        t1 = time.perf_counter()
+        warmup(engine)
+        t2 = time.perf_counter()
+        return cls(engine, {"load_ms": (t1 - t0) * 1000.0, "warmup_ms": (t2 - t1) * 1000.0})
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="quill-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self, drain_timeout: float | None = None) -> None:
+        """Stop admitting, let in-flight requests finish (up to drain_timeout s), then stop the loop."""
+        self._admitting = False
+        deadline = time.monotonic() + (drain_timeout or 0.0)
+        while self._streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for request_id in list(self._streams):
+            self._commands.put(("abort", request_id))
+        self._wake.set()
+        time.sleep(0.05)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        if not self._admitting:
+            raise AdmissionError("server is shutting down", code="shutting_down", status=503)
+        self.engine.validate(prompt_token_ids, params)  # fail fast, before anything is queued
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, time.perf_counter())))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnected) or an error: free it now
+                self._commands.put(("abort", request_id))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return dict(self._gauges)
+
+    # ---- the loop thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._gauges = self.engine.gauges()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug must not hang every client: fail them all and go on
+                logger.exception("engine step failed")
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+                    self._deliver_error(request_id, RuntimeError(f"engine step failed: {e}"))
+                continue
+            self._gauges = self.engine.gauges()
+            for out in outputs:
+                self._deliver(out)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, ids, params, prompt, arrival = payload
+                if request_id not in self._streams:
+                    continue  # aborted before it was added
+                try:
+                    self.engine.add_request(request_id, ids, params, prompt=prompt, arrival_time=arrival)
+                except Exception as e:
+                    self._deliver_error(request_id, e)
+            elif kind == "abort":
+                if self.engine.abort(payload):
+                    for out in self.engine.step_aborted():
+                        self._deliver(out)
+                self._streams.pop(payload, None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        if out.finished:
+            for c in out.outputs:
+                for hook in self.on_request_finished:
+                    try:
+                        hook(out.request_id, c)
+                    except Exception:
+                        logger.exception("on_request_finished hook failed")
+        target = self._streams.get(out.request_id)
+        if target is None:
+            return
+        loop, q = target
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+        loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        target = self._streams.pop(request_id, None)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, error)
+
+
+def warmup(engine: LLMEngine) -> None:
+    """One short request through every path (prefill, decode, sampler), then forget it."""
+    ids = engine.tokenizer.encode("Hello")
+    engine.add_request("warmup", ids or [0], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.reset_prefix_cache()
+    engine.stats = type(engine.stats)()

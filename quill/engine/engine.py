@@ -1,0 +1,235 @@
+"""LLMEngine: admit requests, step the scheduler and the model, detokenize, stop, report."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from quill.config import EngineConfig
+from quill.engine.block_manager import BlockManager
+from quill.engine.errors import AdmissionError
+from quill.engine.kv_cache import KVCache, num_blocks_for
+from quill.engine.metrics import now
+from quill.engine.model_runner import ModelRunner
+from quill.engine.request_state import RequestState
+from quill.engine.sampler import Sampler
+from quill.engine.scheduler import Scheduler
+from quill.engine.sequence import Sequence, SequenceStatus
+from quill.engine.stats import EngineStats
+from quill.engine.stop_checker import StopChecker
+from quill.models.loader import LoadedModel, load_model
+from quill.outputs import RequestOutput
+from quill.sampling_params import SamplingParams
+
+logger = logging.getLogger("quill.engine")
+
+
+@dataclass
+class StepInfo:
+    """What the last step did (trace and gauges read this)."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    seconds: float = 0.0
+    preempted: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Synchronous engine: add_request / abort / step. One engine serves LLM and the server."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        from quill.kernels.threads import configure_threads
+
+        self.threads = configure_threads(config.threads)
+        self.loaded = loaded or load_model(config.model, device=config.device)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        cache = config.cache
+        num_blocks = num_blocks_for(cache, self.model_config)
+        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, device=config.device)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)))
+        sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
+        self.runner = ModelRunner(self.loaded.model, self.model_config, self.kv_cache, sampler, config.device)
+        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        self.stats = EngineStats()
+        self.last_step = StepInfo()
+        self.guided_compiler = None  # built lazily on the first constrained request
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token (%s), %.1f MiB",
+            num_blocks, cache.block_size, self.kv_cache.capacity_tokens, self.kv_cache.bytes_per_token / 1024,
+            "fp32", num_blocks * cache.block_size * self.kv_cache.bytes_per_token / 2**20,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    # ---- admission --------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject what can never run, naming the limit and the value."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise AdmissionError("prompt is empty (0 tokens)", param="prompt")
+        if n >= self.max_model_len:
+            raise AdmissionError(
+                f"prompt is {n:,} tokens; this model's context is {self.max_model_len:,} tokens "
+                "(at least one must be left for the answer)",
+                param="prompt", code="context_length_exceeded",
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise AdmissionError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        total = min(n + (params.max_tokens or self.max_model_len), self.max_model_len)
+        bs = self.block_manager.block_size
+        need = -(-total // bs)
+        if need > self.block_manager.num_blocks:
+            raise AdmissionError(
+                f"prompt ({n:,} tokens) plus max_tokens needs {total:,} tokens of KV cache; the whole pool holds "
+                f"{self.block_manager.num_blocks * bs:,} tokens (raise --kv-cache-memory or lower max_tokens)",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        if params.constrained:
+            self._guided().validate(params)
+        max_waiting = self.config.scheduler.max_waiting
+        if max_waiting is not None and len(self.scheduler.waiting) >= max_waiting:
+            raise AdmissionError(
+                f"server busy: {len(self.scheduler.waiting)} requests waiting, limit --max-waiting {max_waiting}",
+                code="queue_full", status=503,
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise AdmissionError(f"request id {request_id!r} is already running", param="request_id")
+        self.validate(prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else now()
+        seqs = [Sequence(request_id, prompt_token_ids, params, index=i, arrival_time=arrival) for i in range(params.n)]
+        state = RequestState(request_id, prompt, list(prompt_token_ids), seqs, self.tokenizer)
+        if params.constrained:
+            state.attach_matchers(self._guided())
+        self.requests[request_id] = state
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _guided(self):
+        if self.guided_compiler is None:
+            from quill.engine.guided import GrammarCompiler, MaskWorker
+
+            self.guided_compiler = GrammarCompiler(self.tokenizer.hf, self.eos_token_ids, self.model_config.vocab_size)
+            self.runner.guided = MaskWorker(self.requests_matcher)
+        return self.guided_compiler
+
+    def requests_matcher(self, seq: Sequence):
+        state = self.requests.get(seq.request_id)
+        return None if state is None else state.matchers.get(seq.index)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now: its blocks are freed before this returns."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED, None)
+        state.aborted = True
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = self._collect_aborted()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting, none fit "
+                                   f"({self.block_manager.num_free_blocks} free blocks)")
+            return outputs
+        t0 = time.perf_counter()
+        result = self.runner.execute(sched)
+        self.scheduler.postprocess(sched)
+        when = now()
+        touched: dict[str, RequestState] = {}
+        for seq, token_id, logprobs in result.sampled:
+            state = self.requests[seq.request_id]
+            self._accept_token(state, seq, token_id, logprobs, when)
+            touched[seq.request_id] = state
+        elapsed = time.perf_counter() - t0
+        self.last_step = StepInfo(sched.num_prefill_tokens, sched.num_decode_tokens, elapsed,
+                                  [s.request_id for s in sched.preempted])
+        self.stats.record_step(sched.num_prefill_tokens, sched.num_decode_tokens, elapsed, len(sched.preempted))
+        for state in touched.values():
+            outputs.append(self._emit(state))
+        return outputs
+
+    def step_aborted(self) -> list[RequestOutput]:
+        """Emit the final outputs of aborted requests without running the model."""
+        return self._collect_aborted()
+
+    def _collect_aborted(self) -> list[RequestOutput]:
+        done = [s for s in self.requests.values() if s.aborted]
+        return [self._emit(s) for s in done]
+
+    def _accept_token(self, state: RequestState, seq: Sequence, token_id: int, logprobs, when: float) -> None:
+        seq.append_token(token_id, when)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        matcher = state.matchers.get(seq.index)
+        if matcher is not None and not self._is_stop_token(seq, token_id):
+            matcher.accept(token_id)
+        text = state.detokenize(seq, token_id)
+        result = self.stop_checker.check(seq, text, state.new_chars(seq))
+        if result is not None:
+            state.set_final_text(seq, result.text)
+            seq.stop_reason = result.stop_reason
+            status = SequenceStatus.FINISHED_STOPPED if result.finish_reason == "stop" else SequenceStatus.FINISHED_LENGTH
+            self._finish(seq, status, result)
+
+    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
+        return (token_id in self.eos_token_ids and not seq.params.ignore_eos) or token_id in seq.params.stop_token_ids
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, result) -> None:
+        self.scheduler.finish(seq, status)
+        self.runner.release(seq)
+        self.stats.record_finish(seq)
+        m = seq.metrics
+        logger.info(
+            "request %s[%d] prompt=%d cached=%d output=%d queue_ms=%s ttft_ms=%s prompt_tps=%s gen_tps=%s finish=%s",
+            seq.request_id, seq.index, m.prompt_tokens, m.cached_tokens, m.output_tokens,
+            _fmt(m.queue_time, 1000), _fmt(m.ttft, 1000), _fmt(m.prompt_tps), _fmt(m.generation_tps),
+            status.finish_reason,
+        )
+
+    def _emit(self, state: RequestState) -> RequestOutput:
+        out = state.make_output()
+        if out.finished:
+            del self.requests[state.request_id]
+        return out
+
+    # ---- gauges -------------------------------------------------------------------------------
+    def gauges(self) -> dict:
+        bm = self.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_cached": bm.num_cached_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.stats.as_dict(),
+        }
+
+
+def _fmt(x, scale: float = 1.0) -> str:
+    return "-" if x is None else f"{x * scale:.1f}"

@@ -1,0 +1,59 @@
+"""The paged KV cache tensors, and how many blocks a memory budget buys."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from quill.config import CacheConfig, ModelConfig
+
+DEFAULT_FRACTION_OF_FREE_RAM = 0.25
+DEFAULT_MAX_KV_BYTES = 2 << 30
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo, falling back to total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def num_blocks_for(cache: CacheConfig, model: ModelConfig, bytes_per_element: int = 4) -> int:
+    """Pool size from the budget (--kv-cache-memory), or min(25% of free RAM, 2 GiB) by default."""
+    if cache.num_blocks_override is not None:
+        return cache.num_blocks_override
+    budget = cache.kv_cache_memory
+    if budget is None:
+        budget = min(int(available_memory_bytes() * DEFAULT_FRACTION_OF_FREE_RAM), DEFAULT_MAX_KV_BYTES)
+    block_bytes = model.kv_bytes_per_token(bytes_per_element) * cache.block_size
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory {budget:,} bytes holds no block: one block of {cache.block_size} tokens "
+            f"needs {block_bytes:,} bytes"
+        )
+    return int(num_blocks)
+
+
+class KVCache:
+    """Per layer, one K and one V tensor of (num_blocks * block_size, kv_heads, head_dim) slots."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        slots = num_blocks * block_size
+        shape = (slots, model.num_kv_heads, model.head_dim)
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.num_layers)
+        ]
+        self.bytes_per_token = model.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size

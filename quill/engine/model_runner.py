@@ -1,0 +1,132 @@
+"""The one place Sequences meet tensors: SchedulerOutput -> input ids, positions, slots -> forward -> tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from quill.config import ModelConfig
+from quill.engine.kv_cache import KVCache
+from quill.engine.sampler import Sampler, SamplingRow
+from quill.engine.scheduler import SchedulerOutput, ScheduledSeq
+from quill.engine.sequence import Sequence
+from quill.kernels.attention import AttentionMetadata, PrefillSpan
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens for the scheduled sequences that reached the end of their known tokens."""
+
+    sampled: list[tuple[Sequence, int, dict | None]]  # (seq, token id, logprobs entry)
+    top_candidates: list | None = None  # (seq, [(token_id, prob), ...]) when requested (trace)
+
+
+class ModelRunner:
+    """Builds flat batches over the paged cache and runs the model and the sampler."""
+
+    def __init__(self, model, model_config: ModelConfig, kv_cache: KVCache, sampler: Sampler, device="cpu"):
+        self.model = model
+        self.config = model_config
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.device = torch.device(device)
+        self.block_size = kv_cache.block_size
+        self._generators: dict[int, torch.Generator] = {}
+        self.guided = None  # quill.engine.guided.MaskWorker, set by the engine when constraints are used
+        self.last_logits: torch.Tensor | None = None  # (B, V) kept only when keep_logits is set (trace)
+        self.keep_logits = False
+
+    # ---- batch construction -------------------------------------------------------------
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        positions = np.arange(start, end)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _mask(self, q_positions: np.ndarray, ctx: int) -> torch.Tensor:
+        """(q, ctx) bool: causal, and within the sliding window if the model has one."""
+        keys = np.arange(ctx)[None, :]
+        q = q_positions[:, None]
+        allowed = keys <= q
+        if self.config.sliding_window:
+            allowed &= q - keys < self.config.sliding_window
+        return torch.from_numpy(allowed).to(self.device)
+
+    def prepare(self, scheduled: list[ScheduledSeq]):
+        """-> input_ids (T,), positions (T,), AttentionMetadata, sample row indices."""
+        ids, pos, slots, sample_rows = [], [], [], []
+        prefills, decode_rows, decode_ctx = [], [], []
+        row = 0
+        for item in scheduled:
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            end = start + n
+            ids.extend(seq.token_ids_slice(start, end))
+            pos.append(np.arange(start, end))
+            slots.append(self._slots(seq, start, end))
+            if n == 1:
+                decode_rows.append(row)
+                decode_ctx.append(self._slots(seq, 0, end))
+            else:
+                ctx_slots = torch.from_numpy(self._slots(seq, 0, end)).to(self.device)
+                plain = start == 0 and not (self.config.sliding_window and end > self.config.sliding_window)
+                mask = None if plain else self._mask(np.arange(start, end), end)
+                prefills.append(PrefillSpan(row, n, ctx_slots, mask))
+            row += n
+            if item.samples:
+                sample_rows.append(row - 1)
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device), prefills=prefills)
+        if decode_rows:
+            self._decode_meta(meta, decode_rows, decode_ctx, np.concatenate(pos)[decode_rows])
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.from_numpy(np.concatenate(pos)).to(self.device)
+        return input_ids, positions, meta, sample_rows
+
+    def _decode_meta(self, meta: AttentionMetadata, rows: list[int], ctx: list[np.ndarray], q_pos: np.ndarray):
+        lmax = max(len(c) for c in ctx)
+        slots = np.zeros((len(rows), lmax), dtype=np.int64)
+        lengths = np.array([len(c) for c in ctx])
+        for i, c in enumerate(ctx):
+            slots[i, : len(c)] = c
+            slots[i, len(c) :] = c[-1]  # pad with a real slot so no garbage is read
+        keys = np.arange(lmax)[None, :]
+        allowed = keys < lengths[:, None]
+        if self.config.sliding_window:
+            allowed &= q_pos[:, None] - keys < self.config.sliding_window
+        meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        meta.decode_slots = torch.from_numpy(slots).to(self.device)
+        meta.decode_mask = torch.from_numpy(allowed).to(self.device)[:, None, None, :]
+
+    # ---- execution ------------------------------------------------------------------------
+    def generator_for(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed((seq.params.seed * 1_000_003 + seq.index) & 0x7FFF_FFFF_FFFF_FFFF)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    def release(self, seq: Sequence) -> None:
+        self._generators.pop(seq.seq_id, None)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        input_ids, positions, meta, sample_rows = self.prepare(out.scheduled)
+        sampling = [item.seq for item in out.scheduled if item.samples]
+        if self.guided is not None:
+            self.guided.submit(sampling)  # masks for this step's rows, computed during the forward
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (T, H)
+        if not sampling:
+            return StepResult([])
+        logits = self.model.compute_logits(hidden[sample_rows])  # (B, V)
+        if self.guided is not None:
+            self.guided.apply(logits, sampling)
+        if self.keep_logits:
+            self.last_logits = logits.clone()
+        rows = [
+            SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.generator_for(s))
+            for s in sampling
+        ]
+        result = self.sampler(logits, rows)
+        return StepResult([(s, t, lp) for s, t, lp in zip(sampling, result.token_ids, result.logprobs)])

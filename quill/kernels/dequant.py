@@ -1,0 +1,191 @@
+"""Vectorized GGUF dequantization and a packed (codes, scale, min) layout for quantized kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from quill.config import UnsupportedModelError
+
+Q = GGMLQuantizationType
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+PACKED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+SUPPORTED_TYPES = FLOAT_TYPES | PACKED_TYPES
+
+_NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
+_CRUMB_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
+_BIT_SHIFTS = np.arange(8, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """One code per weight plus per-group float scale and min: value = scale * code + min."""
+
+    codes: np.ndarray  # (*shape) uint8 (int8 for Q8_0)
+    scales: np.ndarray  # (*shape[:-1], shape[-1] // group_size) float32
+    mins: np.ndarray  # same shape as scales; zeros where the format has no offset
+    group_size: int
+
+    def dequantize(self) -> np.ndarray:
+        """(*shape) float32, bit-identical to `dequantize` for the same block data."""
+        *lead, cols = self.codes.shape
+        n_groups = cols // self.group_size
+        codes = self.codes.reshape(*lead, n_groups, self.group_size).astype(np.float32)
+        values = codes * self.scales[..., None]
+        values += self.mins[..., None]
+        return values.reshape(self.codes.shape)
+
+
+def _f16(column: np.ndarray) -> np.ndarray:
+    """(B, 2) uint8 -> (B, 1) float32."""
+    return np.ascontiguousarray(column).view(np.float16).astype(np.float32)
+
+
+def _low_high_nibbles(packed: np.ndarray) -> np.ndarray:
+    """(B, C, 32) uint8 -> (B, C, 2, 32): low nibbles first, then high nibbles of the same bytes."""
+    return (packed[:, :, None, :] >> _NIBBLE_SHIFTS[None, None, :, None]) & np.uint8(0x0F)
+
+
+def _unpack_q8_0(blocks: np.ndarray):
+    scale = _f16(blocks[:, 0:2])
+    codes = blocks[:, 2:].view(np.int8)
+    return codes, scale, np.zeros_like(scale)
+
+
+def _unpack_q4_0(blocks: np.ndarray):
+    scale = _f16(blocks[:, 0:2])
+    codes = _low_high_nibbles(blocks[:, None, 2:18]).reshape(-1, 32)
+    return codes, scale, scale * np.float32(-8.0)  # stored codes are offset by 8
+
+
+def _unpack_q4_1(blocks: np.ndarray):
+    scale, minimum = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    codes = _low_high_nibbles(blocks[:, None, 4:20]).reshape(-1, 32)
+    return codes, scale, minimum
+
+
+def _k4_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(B, 12) uint8 of eight 6-bit scales and eight 6-bit mins -> two (B, 8) uint8."""
+    first, second, third = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    # Sub-blocks 0-3 keep their 6 bits in bytes 0-7; sub-blocks 4-7 take their low
+    # nibbles from bytes 8-11 and their top 2 bits from the spare bits of bytes 0-7.
+    scales_hi = (third & np.uint8(0x0F)) | ((first >> np.uint8(6)) << np.uint8(4))
+    mins_hi = (third >> np.uint8(4)) | ((second >> np.uint8(6)) << np.uint8(4))
+    scales = np.concatenate([first & np.uint8(0x3F), scales_hi], axis=1)
+    mins = np.concatenate([second & np.uint8(0x3F), mins_hi], axis=1)
+    return scales, mins
+
+
+def _k_super_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K header -> per-32 (B, 8) float32 scale and min (min already negated)."""
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sub_scales, sub_mins = _k4_scales_mins(blocks[:, 4:16])
+    return d * sub_scales.astype(np.float32), -(dmin * sub_mins.astype(np.float32))
+
+
+def _unpack_q4_k(blocks: np.ndarray):
+    scale, minimum = _k_super_scales(blocks)
+    # Four 32-byte chunks; chunk c holds sub-block 2c in low and 2c+1 in high nibbles.
+    codes = _low_high_nibbles(blocks[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 256)
+    return codes, scale, minimum
+
+
+def _unpack_q5_k(blocks: np.ndarray):
+    scale, minimum = _k_super_scales(blocks)
+    high = blocks[:, 16:48]  # bit u of byte l is the 5th bit of element l of sub-block u
+    high_bits = (high[:, None, :] >> _BIT_SHIFTS[None, :, None]) & np.uint8(1)  # (B, 8, 32)
+    low = _low_high_nibbles(blocks[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    codes = (low | (high_bits << np.uint8(4))).reshape(-1, 256)
+    return codes, scale, minimum
+
+
+def _unpack_q6_k(blocks: np.ndarray):
+    # Two halves of 128 elements; quarter k of a half takes its low 4 bits from
+    # nibble k // 2 of ql bytes [32 * (k % 2), +32) and its high 2 bits from crumb k of qh.
+    low = blocks[:, 0:128].reshape(-1, 2, 2, 32)  # (B, half, byte group, l)
+    low = (low[:, :, None] >> _NIBBLE_SHIFTS[None, None, :, None, None]) & np.uint8(0x0F)
+    low = low.reshape(-1, 2, 4, 32)  # (B, half, quarter, l)
+    high = blocks[:, 128:192].reshape(-1, 2, 1, 32)
+    high = (high >> _CRUMB_SHIFTS[None, None, :, None]) & np.uint8(0x03)  # (B, half, quarter, l)
+    codes = (low | (high << np.uint8(4))).reshape(-1, 256)
+    d = _f16(blocks[:, 208:210])
+    scale = d * blocks[:, 192:208].view(np.int8).astype(np.float32)  # (B, 16), one per 16 elements
+    return codes, scale, scale * np.float32(-32.0)  # stored codes are offset by 32
+
+
+_UNPACKERS = {
+    Q.Q8_0: _unpack_q8_0,
+    Q.Q4_0: _unpack_q4_0,
+    Q.Q4_1: _unpack_q4_1,
+    Q.Q4_K: _unpack_q4_k,
+    Q.Q5_K: _unpack_q5_k,
+    Q.Q6_K: _unpack_q6_k,
+}
+_GROUP_SIZES = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
+
+
+def _check_type(qtype) -> GGMLQuantizationType:
+    try:
+        qtype = GGMLQuantizationType(qtype)
+    except ValueError:
+        raise UnsupportedModelError(f"unknown GGML tensor type {qtype!r}") from None
+    if qtype not in SUPPORTED_TYPES:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise UnsupportedModelError(f"unsupported GGML tensor type {qtype.name}; quill reads {names}")
+    return qtype
+
+
+def _as_bytes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Check `raw` holds exactly `shape` elements of `qtype`; return it as flat uint8 (no copy if contiguous)."""
+    if len(shape) not in (1, 2) or any(int(n) <= 0 for n in shape):
+        raise ValueError(f"shape must be (rows, cols) or (n,) with positive sizes, got {shape}")
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block_size:
+        raise ValueError(f"last dim {shape[-1]} of shape {shape} is not a multiple of the {qtype.name} block size {block_size}")
+    data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    expected = int(np.prod(shape)) // block_size * type_size
+    if data.size != expected:
+        raise ValueError(f"raw data is {data.size} bytes; {qtype.name} shape {shape} needs {expected}")
+    return data
+
+
+def unpack_blocks(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> PackedBlocks:
+    """Split quantized blocks into per-weight codes and per-group scale/min arrays."""
+    qtype = _check_type(qtype)
+    if qtype not in PACKED_TYPES:
+        raise ValueError(f"{qtype.name} is a float type with no packed layout; use dequantize")
+    shape = tuple(int(n) for n in shape)
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = _as_bytes(raw, qtype, shape).reshape(-1, type_size)
+    codes, scales, mins = _UNPACKERS[qtype](blocks)
+    group_size = _GROUP_SIZES[qtype]
+    group_shape = (*shape[:-1], shape[-1] // group_size)
+    return PackedBlocks(
+        codes=np.ascontiguousarray(codes).reshape(shape),
+        scales=np.ascontiguousarray(scales, dtype=np.float32).reshape(group_shape),
+        mins=np.ascontiguousarray(mins, dtype=np.float32).reshape(group_shape),
+        group_size=group_size,
+    )
+
+
+def _dequantize_float(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype == Q.F32:
+        return data.view(np.float32).copy()  # copy: never alias a read-only memory map
+    if qtype == Q.F16:
+        return data.view(np.float16).astype(np.float32)
+    # bf16 is the top half of an fp32 bit pattern
+    return (data.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def dequantize(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """GGUF tensor data -> float32 tensor of `shape` (row-major torch order; blocks along the last dim)."""
+    qtype = _check_type(qtype)
+    shape = tuple(int(n) for n in shape)
+    if qtype in FLOAT_TYPES:
+        values = _dequantize_float(_as_bytes(raw, qtype, shape), qtype).reshape(shape)
+    else:
+        values = unpack_blocks(raw, qtype, shape).dequantize()
+    return torch.from_numpy(values)  # (*shape) float32

@@ -1,0 +1,30 @@
+"""Linear layers: the one place a weight matrix is multiplied, so faster kernels slot in here."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DenseLinear(nn.Module):
+    """y = x @ W.T + b with an fp32 (or model-dtype) weight held as one tensor."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # (out,)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def resident_bytes(self) -> int:
+        n = self.weight.numel() * self.weight.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())

@@ -1,0 +1,135 @@
+"""LLM: the offline Python API (vLLM-style), running on the same engine as the server."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Iterator
+
+from quill.config import CacheConfig, EngineConfig, SchedulerConfig
+from quill.engine.engine import LLMEngine
+from quill.outputs import RequestOutput
+from quill.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """`LLM(model=None)` loads the embedded default model; `generate` and `chat` batch everything given."""
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init_engine(config)
+        return llm
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        kv_cache_memory: int | None = None,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        threads: int | None = None,
+        device: str = "cpu",
+    ):
+        config = EngineConfig(
+            model=model,
+            device=device,
+            threads=threads,
+            max_model_len=max_model_len,
+            cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks),
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+        )
+        self._init_engine(config)
+
+    def _init_engine(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _to_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        return None, list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt through the engine at once; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self._to_ids(p) for p in prompts]
+        return self._run(encoded, params_list)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = [self._chat_ids(conv, add_generation_prompt) for conv in conversations]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(encoded)
+        return self._run(encoded, params_list)
+
+    def _chat_ids(self, conv: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+        return text, self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
+
+    def generate_mixed(self, items: list[tuple[str | None, list[dict] | None]],
+                       params_list: list[SamplingParams]) -> list[RequestOutput]:
+        """One batch of (prompt, messages) pairs, each with its own params (for --prompts-file)."""
+        encoded = [self._chat_ids(msgs) if msgs is not None else self._to_ids(prompt) for prompt, msgs in items]
+        return self._run(encoded, params_list)
+
+    def stream_chat(self, conv: list[dict], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step (delta_text is safe to print)."""
+        text, ids = self._chat_ids(conv)
+        request_id = f"chat-{next(self._ids)}"
+        self.engine.add_request(request_id, ids, params, prompt=text)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort(request_id)
+                self.engine.step()
+
+    def _run(self, encoded: Iterable[tuple[str | None, list[int]]], params_list: list[SamplingParams]) -> list[RequestOutput]:
+        order: list[str] = []
+        try:
+            for (text, ids), params in zip(encoded, params_list):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, ids, params, prompt=text)
+                order.append(request_id)
+            finished: dict[str, RequestOutput] = {}
+            while len(finished) < len(order):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            for request_id in order:  # nothing leaks if a request is refused or the loop is interrupted
+                self.engine.abort(request_id)
+            self.engine.step()
+            raise
+        return [finished[r] for r in order]

@@ -1,0 +1,211 @@
+"""Pydantic request models (OpenAI schema plus vLLM / llama.cpp extensions)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MAX = 2**63 - 1
+
+
+class _Request(BaseModel):
+    # Unknown fields are accepted and ignored (logged), as vLLM and llama-server do, so that
+    # clients which send extra OpenAI fields keep working. NaN / Infinity are refused.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1 = random (llama.cpp convention)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM / llama.cpp extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: either `prompt` or `messages` (vLLM shape)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- translation to SamplingParams -------------------------------------------------------
+
+# SamplingParams field -> the request field a user would recognise, per endpoint.
+_CHAT_PARAM_NAMES = {"logprobs": "top_logprobs"}
+
+
+def requested_max_tokens(req: _SamplingFields) -> tuple[int | None, str]:
+    """(value, name) of the output-length limit the user asked for (None: not given)."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def structured_fields(req: _SamplingFields) -> tuple[dict[str, Any], dict[str, str]]:
+    """SamplingParams constraint kwargs, and which request field each came from."""
+    from quill.server.errors import bad_request
+
+    kwargs: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        kwargs["json_object"], source["json_object"] = True, "response_format"
+    elif rf is not None and rf.type == "json_schema":
+        spec = rf.json_schema or {}
+        schema = spec.get("schema", spec.get("json_schema"))
+        if not isinstance(schema, (dict, str)):
+            raise bad_request("response_format.json_schema.schema: a JSON schema object is required", "response_format")
+        kwargs["json_schema"], source["json_schema"] = schema, "response_format"
+    extensions = {"json_schema": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice, "grammar": req.guided_grammar}
+    names = {"json_schema": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+    for field, value in extensions.items():
+        if value is None:
+            continue
+        if kwargs:
+            raise bad_request(f"{names[field]}: at most one output constraint per request, got {sorted([*source.values(), names[field]])}", names[field])
+        kwargs[field], source[field] = value, names[field]
+    return kwargs, source
+
+
+def unsupported_fields(req: _SamplingFields) -> None:
+    """Refuse OpenAI fields quill cannot honour rather than silently ignoring them."""
+    from quill.server.errors import bad_request
+
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by quill", "logit_bias", "unsupported_parameter")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools and req.tool_choice != "none":
+            raise bad_request("tools (function calling) are not supported by quill", "tools", "unsupported_parameter")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise bad_request("suffix is not supported by quill", "suffix", "unsupported_parameter")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request(f"best_of must equal n ({req.n or 1}) in quill, got {req.best_of}", "best_of", "unsupported_parameter")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported by quill", "echo", "unsupported_parameter")
+
+
+def to_sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int):
+    """Build SamplingParams; a ParamError becomes a 400 naming the request's own field."""
+    from quill.sampling_params import ParamError, SamplingParams
+    from quill.server.errors import bad_request
+
+    unsupported_fields(req)
+    for tid in req.stop_token_ids or ():
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"stop_token_ids: token id {tid} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+    constraint, source = structured_fields(req)
+    chat = isinstance(req, ChatCompletionRequest)
+    logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+    _, max_name = requested_max_tokens(req)
+    names = {**(_CHAT_PARAM_NAMES if chat else {}), "max_tokens": max_name, **source}
+    try:
+        return SamplingParams(
+            n=1 if req.n is None else req.n,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens or 0,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            seed=None if req.seed in (None, -1) else req.seed,
+            stop=req.stop or (),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            **constraint,
+        )
+    except ParamError as exc:
+        param = names.get(exc.param, exc.param)
+        message = str(exc).split(": ", 1)[-1]
+        raise bad_request(f"{param}: {message}", param) from exc
