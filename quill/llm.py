@@ -17,9 +17,10 @@ class LLM:
     """`LLM(model=None)` loads the embedded default model; `generate` and `chat` batch everything given."""
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+    def from_engine_config(cls, config: EngineConfig, loaded=None) -> "LLM":
+        """Build from a full EngineConfig; `loaded` reuses weights already in memory."""
         llm = cls.__new__(cls)
-        llm._init_engine(config)
+        llm._init_engine(config, loaded)
         return llm
 
     def __init__(
@@ -46,8 +47,8 @@ class LLM:
         )
         self._init_engine(config)
 
-    def _init_engine(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+    def _init_engine(self, config: EngineConfig, loaded=None) -> None:
+        self.engine = LLMEngine(config, loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -45,7 +45,10 @@ _BYTE_LEVEL_PRE = {
     "gpt2": _BytePreTokenizer(_GPT2_SPLIT),
     "smollm": _BytePreTokenizer(_GPT2_SPLIT, individual_digits=True),
     "starcoder": _BytePreTokenizer(_GPT2_SPLIT, individual_digits=True),
-    **{name: _BytePreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True) for name in ("llama-bpe", "llama3", "llama-v3")},
+    **{
+        name: _BytePreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
+        for name in ("llama-bpe", "llama3", "llama-v3")
+    },
     "qwen2": _BytePreTokenizer(_QWEN2_SPLIT, nfc=True),
 }
 
@@ -128,6 +131,33 @@ def _sentencepiece_backend(meta: dict, tokens: list[str], types: list[int]) -> B
     return backend
 
 
+def _gguf_backend(meta: dict, tokens: list[str], types: list[int]) -> tuple[Backend, bool]:
+    """The backend for tokenizer.ggml.model, and whether llama.cpp adds BOS when the file is silent."""
+    model = meta.get("tokenizer.ggml.model")
+    if model == "gpt2":
+        merges = meta.get("tokenizer.ggml.merges")
+        if merges is None:
+            raise ValueError("a 'gpt2' (byte-level BPE) GGUF vocabulary needs tokenizer.ggml.merges")
+        pre = _byte_level_pre(meta.get("tokenizer.ggml.pre", "default"))
+        return _byte_level_backend(tokens, types, list(merges), pre), pre.add_bos
+    if model == "llama":
+        return _sentencepiece_backend(meta, tokens, types), True
+    raise ValueError(
+        f"tokenizer.ggml.model {model!r} is not supported; quill reads 'gpt2' (byte-level BPE) "
+        "and 'llama' (SentencePiece)"
+    )
+
+
+def _gguf_special_tokens(meta: dict, tokens: list[str]) -> dict[str, str | None]:
+    special = {}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if index is not None and not 0 <= int(index) < len(tokens):
+            raise ValueError(f"tokenizer.ggml.{key}_token_id is {index}, outside the vocabulary of {len(tokens)}")
+        special[f"{name}_token"] = tokens[int(index)] if index is not None else None
+    return special
+
+
 def _set_post_processor(backend: Backend, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool) -> None:
     """Make encode(add_special_tokens=True) prepend BOS / append EOS exactly as the model asks."""
     head = f"{bos}:0 " if add_bos and bos else ""
@@ -155,6 +185,13 @@ def _template_from_config(config: dict) -> str | None:
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
         return named.get("default")
     return template
+
+
+def _hf_chat_template(root: Path, config: dict) -> str | None:
+    """chat_template.jinja wins over chat_template.json, which wins over tokenizer_config.json."""
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text(encoding="utf-8")
+    return _read_json(root / "chat_template.json").get("chat_template") or _template_from_config(config)
 
 
 def _piece_style(decoder_state: bytes | None) -> str:
@@ -201,41 +238,18 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
         """Build from GGUF key -> python value (tokenizer.ggml.*, tokenizer.chat_template)."""
-        model = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens; this file carries no tokenizer")
         tokens = [str(t) for t in tokens]
         types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)]
-        if model == "gpt2":
-            merges = meta.get("tokenizer.ggml.merges")
-            if merges is None:
-                raise ValueError("a 'gpt2' (byte-level BPE) GGUF vocabulary needs tokenizer.ggml.merges")
-            pre = _byte_level_pre(meta.get("tokenizer.ggml.pre", "default"))
-            backend = _byte_level_backend(tokens, types, list(merges), pre)
-            default_add_bos = pre.add_bos
-        elif model == "llama":
-            backend = _sentencepiece_backend(meta, tokens, types)
-            default_add_bos = True
-        else:
-            raise ValueError(
-                f"tokenizer.ggml.model {model!r} is not supported; quill reads 'gpt2' (byte-level BPE) "
-                "and 'llama' (SentencePiece)"
-            )
+        backend, default_add_bos = _gguf_backend(meta, tokens, types)
         pairs = list(zip(tokens, types))
+        # Control tokens (<|im_end|>) are special: matched whole, skipped on decode. User-defined
+        # ones (<think>) are matched whole but kept on decode, as llama.cpp and transformers do.
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in pairs if k == _CONTROL])
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in pairs if k == _USER_DEFINED])
-
-        def token_at(key: str) -> str | None:
-            index = meta.get(f"tokenizer.ggml.{key}")
-            if index is None:
-                return None
-            if not 0 <= int(index) < len(tokens):
-                raise ValueError(f"tokenizer.ggml.{key} is {index}, outside the vocabulary of {len(tokens)}")
-            return tokens[int(index)]
-
-        special = {f"{name}_token": token_at(f"{key}_token_id") for name, key in
-                   (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
+        special = _gguf_special_tokens(meta, tokens)
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         _set_post_processor(backend, special["bos_token"], special["eos_token"], add_bos, add_eos)
@@ -265,14 +279,10 @@ class Tokenizer:
             # transformers rebuilds the post-processor from these flags when they are given.
             _set_post_processor(backend, special["bos_token"], special["eos_token"],
                                 bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
-        generation_eos = _read_json(root / "generation_config.json").get("eos_token_id")
-        extra = tuple(generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos is not None else [])
-        template_file = root / "chat_template.jinja"
-        if template_file.is_file():
-            template = template_file.read_text(encoding="utf-8")
-        else:
-            template = _read_json(root / "chat_template.json").get("chat_template") or _template_from_config(config)
-        return cls(backend, special_tokens=special, extra_eos_token_ids=extra, chat_template=template)
+        generation_eos = _read_json(root / "generation_config.json").get("eos_token_id")  # int | list | None
+        extra = generation_eos if isinstance(generation_eos, list) else [generation_eos] * (generation_eos is not None)
+        return cls(backend, special_tokens=special, extra_eos_token_ids=tuple(extra),
+                   chat_template=_hf_chat_template(root, config))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; BOS/EOS added only where the model's tokenizer says so."""

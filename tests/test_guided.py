@@ -282,6 +282,18 @@ def test_mask_worker_leaves_unconstrained_rows_bit_identical(compiler, worker, h
         assert torch.isneginf(logits[row][~allowed]).all()
 
 
+def test_mask_worker_on_strided_logits(compiler, worker):
+    padded = torch.randn(3, compiler.vocab_size + 8, generator=torch.Generator().manual_seed(1))  # (B, V + 8)
+    logits = padded[:, : compiler.vocab_size]  # (B, V), not contiguous
+    before = padded.clone()
+    matcher = compiler.new_matcher(SamplingParams(choice=["yes", "no"]))
+    worker.submit([(2, matcher)])
+    worker.apply(logits)
+    assert torch.equal(padded[:2], before[:2]) and torch.equal(padded[2, -8:], before[2, -8:])
+    finite = torch.nonzero(torch.isfinite(logits[2])).flatten()
+    np.testing.assert_array_equal(finite.numpy(), matcher.allowed_token_ids())
+
+
 def test_mask_worker_edge_cases(compiler, worker):
     logits = torch.randn(2, compiler.vocab_size)
     before = logits.clone()

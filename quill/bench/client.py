@@ -48,12 +48,14 @@ class RequestResult:
             return None
         return (self.chunk_times[-1] - self.chunk_times[0]) / (self.output_tokens - 1)
 
-    def to_dict(self) -> dict:
+    def to_dict(self, origin: float) -> dict:
+        """JSON figures in ms; arrival and send in seconds after origin (the level start)."""
         def ms(seconds: float | None) -> float | None:
             return None if seconds is None else round(seconds * 1000, 3)
 
         return {
             "index": self.index, "ok": self.ok, "error": self.error,
+            "arrival_s": round(self.arrival - origin, 6), "send_s": round(self.send - origin, 6),
             "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot), "e2e_ms": ms(self.e2e),
             "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
             "itl_ms": [ms(gap) for gap in self.itl],

@@ -118,8 +118,8 @@ async def run_level(server: dict, config: ServeBenchConfig, level: float) -> dic
             results = await run_closed_loop(server["client"], bodies, int(level), bar)
         else:
             results = await run_open_loop(server["client"], bodies, level, config.seed, bar)
-        duration = time.perf_counter() - start
-    return summarize_level(results, duration, level, config.mode, config.slo)
+        end = time.perf_counter()
+    return summarize_level(results, start, end, level, config.mode, config.slo)
 
 
 async def open_server(label: str, base_url: str, model: str | None, config: ServeBenchConfig,

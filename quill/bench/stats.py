@@ -56,12 +56,15 @@ def latency_samples(results: list[RequestResult]) -> dict[str, list[float]]:
     }
 
 
-def summarize_level(results: list[RequestResult], duration_s: float, level: float,
+def summarize_level(results: list[RequestResult], start: float, end: float, level: float,
                     mode: str, slo: Slo) -> dict:
-    """All figures of one load level (concurrency or request rate) as a JSON-ready dict."""
+    """All figures of one load level (concurrency or request rate) as a JSON-ready dict.
+
+    start and end are the level's perf_counter bounds; throughputs divide by end - start.
+    """
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
-    duration_s = max(duration_s, 1e-9)
+    duration_s = max(end - start, 1e-9)
     output_tokens = sum(r.output_tokens for r in ok)
     summary = {
         "mode": mode,
@@ -70,6 +73,7 @@ def summarize_level(results: list[RequestResult], duration_s: float, level: floa
         "completed": len(ok),
         "errors": len(errors),
         "error_samples": sorted({r.error for r in errors})[:5],
+        "start_time": start,  # time.perf_counter() (CLOCK_MONOTONIC on Linux) of the level start
         "duration_s": duration_s,
         "request_throughput": len(ok) / duration_s,
         "output_throughput": output_tokens / duration_s,
@@ -81,7 +85,7 @@ def summarize_level(results: list[RequestResult], duration_s: float, level: floa
     samples = latency_samples(results)
     for name in LATENCIES:
         summary[f"{name}_ms"] = distribution(samples[name])
-    summary["requests"] = [r.to_dict() for r in results]
+    summary["requests"] = [r.to_dict(start) for r in results]
     return summary
 
 

@@ -189,7 +189,10 @@ class LLMEngine:
         text = state.detokenize(seq, token_id)
         result = self.stop_checker.check(seq, text, state.new_chars(seq))
         if result is not None:
-            state.set_final_text(seq, result.text)
+            final = result.text
+            if result.finish_reason == "length":
+                final += state.flush(seq)  # bytes of a character cut off by the limit
+            state.set_final_text(seq, final)
             seq.stop_reason = result.stop_reason
             status = SequenceStatus.FINISHED_STOPPED if result.finish_reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self._finish(seq, status, result)

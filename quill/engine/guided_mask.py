@@ -23,15 +23,44 @@ assert sys.byteorder == "little", "guided decoding assumes a little-endian host"
 def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     """(R, ceil(V/32)) int32 packed masks → (R, V) bool, True where a token is allowed."""
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-    return bits[:, :vocab_size].astype(bool)
+    return bits[:, :vocab_size].view(np.bool_)
 
 
 class _Result:
-    """One step's masks: which logits rows, and which of their tokens to forbid."""
+    """One step's masks as flat indices into a contiguous (B, V) logits tensor.
 
-    def __init__(self, rows: list[int], disallowed: torch.Tensor):
+    Rows with few allowed tokens (JSON structure) list what to keep, rows with few
+    forbidden ones (free string content) list what to ban, so apply() touches only
+    those elements plus a memset, instead of scanning whole rows with a bool mask.
+    """
+
+    def __init__(self, rows: list[int], allowed: np.ndarray, vocab_size: int):
+        # allowed: (R, V) bool
+        row_ids = np.asarray(rows, dtype=np.int64)
+        keep = np.count_nonzero(allowed, axis=1) <= vocab_size // 2
         self.rows = rows
-        self.disallowed = disallowed  # (R, V) bool
+        self.keep_rows = row_ids[keep].tolist()
+        self.keep_index = torch.from_numpy(_flat_index(row_ids[keep], allowed[keep], vocab_size))
+        self.ban_index = torch.from_numpy(_flat_index(row_ids[~keep], ~allowed[~keep], vocab_size))
+
+
+def _flat_index(row_ids: np.ndarray, selected: np.ndarray, vocab_size: int) -> np.ndarray:
+    """(N,) int64 positions row * V + token of the True entries of selected (len(row_ids), V)."""
+    local = np.flatnonzero(selected)
+    return row_ids[local // vocab_size] * vocab_size + local % vocab_size
+
+
+def _apply_result(logits: torch.Tensor, result: _Result) -> None:
+    """logits: (B, V) contiguous; -inf everywhere result forbids."""
+    flat = logits.view(-1)
+    if result.ban_index.numel():
+        flat.index_fill_(0, result.ban_index.to(logits.device, non_blocking=True), float("-inf"))
+    if result.keep_rows:
+        keep_index = result.keep_index.to(logits.device, non_blocking=True)
+        kept = flat.index_select(0, keep_index)
+        for row in result.keep_rows:
+            logits[row].fill_(float("-inf"))
+        flat.index_copy_(0, keep_index, kept)
 
 
 class MaskWorker:
@@ -72,8 +101,7 @@ class MaskWorker:
     def _compute(self, rows: list[int], pairs: list) -> _Result:
         bitmask = self._bitmask[: len(rows)]  # (R, W) int32, contiguous
         fill_next_token_bitmask_par(self._executor, pairs, bitmask)
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-        return _Result(rows, torch.from_numpy(bits[:, : self.vocab_size] == 0))
+        return _Result(rows, unpack_bitmask(bitmask, self.vocab_size), self.vocab_size)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for this step's masks; set forbidden tokens of the submitted rows to -inf in place.
@@ -88,13 +116,12 @@ class MaskWorker:
             raise ValueError(f"apply: logits must be (B, {self.vocab_size}), got {tuple(logits.shape)}")
         if max(result.rows) >= logits.shape[0]:
             raise ValueError(f"apply: row {max(result.rows)} is outside a batch of {logits.shape[0]}")
-        disallowed = result.disallowed.to(logits.device, non_blocking=True)
-        first = result.rows[0]
-        if result.rows == list(range(first, first + len(result.rows))):
-            logits[first : first + len(result.rows)].masked_fill_(disallowed, float("-inf"))
-            return
-        for slot, row in enumerate(result.rows):
-            logits[row].masked_fill_(disallowed[slot], float("-inf"))
+        if logits.is_contiguous():
+            _apply_result(logits, result)
+        else:  # rare (a strided view): mask a compact copy, then write it back
+            compact = logits.contiguous()
+            _apply_result(compact, result)
+            logits.copy_(compact)
 
     def discard(self) -> None:
         """Wait for and drop an in-flight job (e.g. after a failed forward)."""

@@ -38,6 +38,9 @@ class RequestState:
         self.num_new_chars[seq.index] = len(piece)
         return detok.text
 
+    def flush(self, seq: Sequence) -> str:
+        return self.detoks[seq.index].flush()
+
     def new_chars(self, seq: Sequence) -> int:
         return self.num_new_chars[seq.index]
 

@@ -1,0 +1,164 @@
+"""One HTTP request's choices as outputs arrive: streamed deltas, final body, usage, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quill.server.responses import TokenText, chat_logprobs, completion_logprobs, timings, usage
+
+
+@dataclass
+class Delta:
+    """What is new for one choice since the last chunk."""
+
+    index: int
+    text: str
+    logprobs: list[dict] | None  # engine entries for the new tokens; None when not requested
+    finish_reason: str | None
+    stop_reason: str | int | None
+    text_offset: int  # characters of this choice already sent (completions logprobs)
+
+
+class Accumulator:
+    """Tracks every choice of a request (prompt p, completion j -> choice index p * n + j)."""
+
+    def __init__(self, *, kind, response_id, model, created, n, num_prompts, names: TokenText, echo, include_usage):
+        self.kind = kind  # "chat" | "completion"
+        self.id = response_id
+        self.model = model
+        self.created = created
+        self.n = n
+        self.names = names
+        self.echo = echo  # per prompt, the prompt text to prepend (completions echo=true)
+        self.include_usage = include_usage
+        self.num_choices = n * num_prompts
+        self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
+        self.latest: dict = {}  # choice index -> CompletionOutput
+        self.sent: dict[int, str] = {}
+        self.sent_logprobs: dict[int, int] = {}
+        self.finished: set[int] = set()
+
+    # ---- bookkeeping ----------------------------------------------------------------
+
+    def update(self, prompt_index: int, output) -> list[Delta]:
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.cached_tokens[prompt_index] = max(self.cached_tokens[prompt_index], output.num_cached_tokens or 0)
+        deltas = []
+        for completion in output.outputs:
+            index = prompt_index * self.n + completion.index
+            if index in self.finished:
+                continue
+            self.latest[index] = completion
+            deltas.extend(self._delta(index, prompt_index, completion))
+        return deltas
+
+    def _delta(self, index: int, prompt_index: int, completion) -> list[Delta]:
+        before = self.sent.get(index, "")
+        text = completion.delta_text or ""
+        if completion.finished:
+            self.finished.add(index)
+            cached = (completion.metrics or {}).get("cached_tokens") or 0
+            self.cached_tokens[prompt_index] = max(self.cached_tokens[prompt_index], cached)
+            # Whatever the deltas held back must still reach the client, so that the streamed
+            # text equals the non-streamed text.
+            full = completion.text or ""
+            if full.startswith(before + text):
+                text = full[len(before):]
+        new_logprobs = None
+        if completion.logprobs is not None:
+            done = self.sent_logprobs.get(index, 0)
+            new_logprobs = completion.logprobs[done:]
+            self.sent_logprobs[index] = len(completion.logprobs)
+        if not (text or new_logprobs or completion.finished):
+            return []
+        self.sent[index] = before + text
+        return [Delta(index, text, new_logprobs, completion.finish_reason, completion.stop_reason, len(before))]
+
+    @property
+    def all_finished(self) -> bool:
+        return len(self.finished) == self.num_choices
+
+    def usage(self) -> dict:
+        generated = sum(len(c.token_ids) for c in self.latest.values())
+        return usage(sum(self.prompt_tokens), generated, sum(self.cached_tokens))
+
+    def timings(self) -> dict:
+        groups = []
+        for p in range(len(self.prompt_tokens)):
+            outs = [self.latest.get(p * self.n + j) for j in range(self.n)]
+            groups.append([c.metrics or {} for c in outs if c is not None])
+        return timings(groups)
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    # ---- streaming ------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def opening_chunks(self) -> list[dict]:
+        """Chat: the assistant role first, no content. Completions with echo: the prompt."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""}
+            return [self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]) for i in range(self.num_choices)]
+        if self.echo:
+            return [self._chunk([{"index": i, "text": self._echo(i), "logprobs": None, "finish_reason": None}]) for i in range(self.num_choices)]
+        return []
+
+    def chunks(self, prompt_index: int, output) -> list[dict]:
+        chunks = [self._chunk([self._choice_delta(d)]) for d in self.update(prompt_index, output)]
+        if chunks and self.all_finished and not self.include_usage:
+            chunks[-1]["timings"] = self.timings()
+        return chunks
+
+    def _choice_delta(self, d: Delta) -> dict:
+        if self.kind == "chat":
+            lp = chat_logprobs(d.logprobs, self.names) if d.logprobs else None
+            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp, "finish_reason": d.finish_reason}
+        else:
+            offset = len(self._echo(d.index)) + d.text_offset
+            lp = completion_logprobs(d.logprobs, self.names, offset) if d.logprobs else None
+            choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        if d.finish_reason is not None:
+            choice["stop_reason"] = d.stop_reason
+        return choice
+
+    def closing_chunk(self) -> dict | None:
+        """The usage chunk (choices: []), when stream_options.include_usage asked for it."""
+        if not self.include_usage:
+            return None
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage()
+        chunk["timings"] = self.timings()
+        return chunk
+
+    # ---- non-streaming --------------------------------------------------------------
+
+    def response(self) -> dict:
+        choices = [self._final_choice(i, self.latest[i]) for i in sorted(self.latest)]
+        kind = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+            "timings": self.timings(),
+        }
+
+    def _final_choice(self, index: int, c) -> dict:
+        entries = c.logprobs
+        if self.kind == "chat":
+            lp = chat_logprobs(entries, self.names) if entries is not None else None
+            message = {"role": "assistant", "content": c.text}
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        echo = self._echo(index)
+        lp = completion_logprobs(entries, self.names, len(echo)) if entries is not None else None
+        return {"index": index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

@@ -1,0 +1,229 @@
+"""Chat and text completions: request -> engine jobs -> one JSON body or an SSE stream."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from quill.server.accumulator import Accumulator
+from quill.server.errors import APIError, bad_request, error_body
+from quill.server.protocol import ChatCompletionRequest, CompletionRequest, requested_max_tokens, to_sampling_params
+from quill.server.responses import TokenText, sse
+from quill.server.streams import DISCONNECTED, Job, RequestGroup, SSEResponse, until_disconnect
+
+logger = logging.getLogger("quill.server")
+
+MAX_CHOICES = 128  # prompts x n per HTTP request
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def check_model(state, model: str | None) -> None:
+    if model and model not in state.model_names:
+        served = ", ".join(repr(m) for m in state.model_names)
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served}", param="model", code="model_not_found")
+
+
+def template_messages(messages) -> list[dict]:
+    """Request messages -> plain dicts for the chat template (text parts joined)."""
+    if not messages:
+        raise bad_request("messages: at least one message is required, got an empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}", "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        if content is None:
+            if message.role != "assistant":
+                raise bad_request(f"messages[{i}].content: required for role {message.role!r}", "messages")
+            content = ""
+        item = {"role": "system" if message.role == "developer" else message.role, "content": content}
+        if message.name:
+            item["name"] = message.name
+        out.append(item)
+    return out
+
+
+def encode_chat(engine, messages: list[dict]) -> list[int]:
+    try:
+        return list(engine.tokenizer.encode_chat(messages))
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's
+        raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
+
+
+def completion_prompts(engine, prompt) -> list[tuple[list[int], str]]:
+    """`prompt` (string, strings, token ids, or lists of ids) -> [(ids, text)]."""
+    tokenizer, vocab = engine.tokenizer, engine.tokenizer.vocab_size
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt: must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    result = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            ids = list(tokenizer.encode(item))
+            text = item
+        else:
+            bad = next((t for t in item if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"prompt[{i}]: token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+            ids, text = list(item), tokenizer.decode(list(item))
+        if not ids:
+            raise bad_request(f"prompt[{i}]: is empty (0 tokens)", "prompt")
+        result.append((ids, text))
+    return result
+
+
+def resolve_max_tokens(req, prompt_len: int, max_model_len: int, default: int | None, prompt_param: str) -> int:
+    """The output budget; a prompt that cannot fit, with max_tokens, is a 400 naming both numbers."""
+    requested, name = requested_max_tokens(req)
+    if prompt_len >= max_model_len:
+        raise APIError(
+            400,
+            f"{prompt_param}: the prompt is {prompt_len:,} tokens; this model's context is {max_model_len:,} tokens "
+            "and at least one must be left for the output",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested >= 1 and requested > room:
+        raise APIError(
+            400,
+            f"{name}: the prompt is {prompt_len:,} tokens and {name} is {requested:,}, {prompt_len + requested:,} in total; "
+            f"this model's context is {max_model_len:,} tokens",
+            param=name,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def engine_error(exc: Exception, names: dict, retry_after: float) -> APIError:
+    """Map what engine.generate raised at admission to an HTTP error."""
+    from quill.sampling_params import ParamError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ParamError):
+        param = names.get(exc.param, exc.param)
+        return bad_request(f"{param}: {str(exc).split(': ', 1)[-1]}", param)
+    status = getattr(exc, "status", None)
+    if isinstance(exc, ValueError) and isinstance(status, int):  # quill.engine.errors.AdmissionError
+        param = names.get(exc.param, exc.param) if getattr(exc, "param", None) else None
+        shed = status in (429, 503)
+        return APIError(status, str(exc), param=param, code=getattr(exc, "code", None), retry_after=retry_after if shed else None)
+    if isinstance(exc, (ValueError, TypeError)):
+        return bad_request(str(exc) or type(exc).__name__)
+    raise exc
+
+
+async def chat_completions(request: Request, body: ChatCompletionRequest, state) -> Response:
+    engine = state.require_engine()
+    check_model(state, body.model)
+    ids = encode_chat(engine, template_messages(body.messages))
+    max_tokens = resolve_max_tokens(body, len(ids), engine.max_model_len, None, "messages")
+    params = to_sampling_params(body, max_tokens, engine.tokenizer.vocab_size)
+    jobs = [Job(f"chatcmpl-{uuid.uuid4().hex}", ids, None)]
+    return await _generate(request, state, engine, body, "chat", jobs, params, echo=None)
+
+
+async def completions(request: Request, body: CompletionRequest, state) -> Response:
+    engine = state.require_engine()
+    check_model(state, body.model)
+    prompts = completion_prompts(engine, body.prompt)
+    n = body.n or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"prompt: {len(prompts)} prompts x n={n} is {len(prompts) * n} completions; the limit is {MAX_CHOICES}", "prompt")
+    budgets = [resolve_max_tokens(body, len(ids), engine.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt") for ids, _ in prompts]
+    if len(set(budgets)) > 1:  # one SamplingParams for the group: the tightest default wins
+        budgets = [min(budgets)]
+    params = to_sampling_params(body, budgets[0], engine.tokenizer.vocab_size)
+    base = f"cmpl-{uuid.uuid4().hex}"
+    jobs = [Job(base if len(prompts) == 1 else f"{base}-{i}", ids, text) for i, (ids, text) in enumerate(prompts)]
+    echo = [text for _, text in prompts] if body.echo else None
+    return await _generate(request, state, engine, body, "completion", jobs, params, echo=echo)
+
+
+async def _generate(request, state, engine, body, kind, jobs, params, echo) -> Response:
+    acc = Accumulator(
+        kind=kind,
+        response_id=jobs[0].request_id.rsplit("-", 1)[0] if len(jobs) > 1 else jobs[0].request_id,
+        model=body.model or state.served_model_name,
+        created=int(time.time()),
+        n=params.n,
+        num_prompts=len(jobs),
+        names=TokenText(engine.tokenizer),
+        echo=echo,
+        include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+    )
+    names = state.param_names(body)
+    group = RequestGroup(engine, jobs, params)
+    state.begin()
+    closed = False
+
+    async def close() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            await group.aclose()
+            state.end()
+
+    handed_off = False  # once the SSE response owns the group, it closes it
+    try:
+        group.start()
+        first = await until_disconnect(request.receive, group.next())
+        if first is DISCONNECTED:
+            return Response(status_code=499)
+        if body.stream:
+            handed_off = True
+            return SSEResponse(_stream(acc, group, first, names, state), on_close=close)
+        result = await until_disconnect(request.receive, _collect(acc, group, first))
+        if result is DISCONNECTED:
+            return Response(status_code=499)
+        return JSONResponse(acc.response())
+    except Exception as exc:
+        raise engine_error(exc, names, state.retry_after) from exc
+    finally:
+        if not handed_off:
+            await close()
+
+
+async def _collect(acc: Accumulator, group: RequestGroup, event) -> None:
+    while event is not None:
+        acc.update(*event)
+        event = await group.next()
+
+
+async def _stream(acc: Accumulator, group: RequestGroup, event, names: dict, state):
+    for chunk in acc.opening_chunks():
+        yield sse(chunk)
+    try:
+        while event is not None:
+            for chunk in acc.chunks(*event):
+                yield sse(chunk)
+            event = await group.next()
+    except Exception as exc:  # mid-stream: headers are gone, so the error travels as an event
+        try:
+            err = engine_error(exc, names, state.retry_after)
+            body = error_body(err.status, err.message, err.param, err.code)
+        except Exception:
+            logger.exception("engine failed mid-stream")
+            body = error_body(500, f"internal server error: {type(exc).__name__}", None, "internal_error")
+        yield sse(body)
+        yield sse("[DONE]")
+        return
+    closing = acc.closing_chunk()
+    if closing is not None:
+        yield sse(closing)
+    yield sse("[DONE]")

@@ -1,0 +1,117 @@
+"""Run the app under uvicorn: engine loads in the background, SIGTERM drains, then exit."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+import uvicorn
+
+from quill.server.app import create_app
+
+logger = logging.getLogger("quill.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM / SIGINT stops admitting (503) and lets in-flight
+    requests finish for up to `drain_timeout` seconds before the normal shutdown; a second
+    signal shuts down at once."""
+
+    def __init__(self, config: uvicorn.Config, state, drain_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.state.draining or self.should_exit:
+            return super().handle_exit(sig, frame)
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        logger.info("%s: not admitting new requests; draining %d in flight (up to %.0f s)", name, self.state.in_flight, self.drain_timeout)
+        self.state.draining = True
+        threading.Thread(target=self._drain, name="quill-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self.state.in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.state.in_flight > 0:
+            logger.warning("drain timeout: aborting %d request(s) still in flight", self.state.in_flight)
+        self.should_exit = True  # uvicorn's main loop polls this every 0.1 s
+
+
+def _load_engine(state, config, server: DrainingServer, t_start_ms: float | None) -> None:
+    """Import and load the engine (blocking), attach it, log the cold start, print the URL."""
+    t0 = time.perf_counter()
+    try:
+        from quill.engine.async_engine import AsyncEngine
+
+        import_ms = (time.perf_counter() - t0) * 1000.0
+        engine = AsyncEngine.from_config(config)
+        engine.start()
+    except BaseException as exc:  # noqa: BLE001 - any failure must stop the server, not hang it
+        logger.exception("the model failed to load")
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        server.should_exit = True
+        return
+    state.attach(engine)
+    server.engine = engine
+    from quill.server.serve_cmd import process_age_ms
+
+    cold = dict(getattr(engine, "cold_start", {}) or {})
+    cold["import_ms"] = import_ms + (cold.get("import_ms") or 0.0)
+    age = process_age_ms()
+    logger.info(
+        "cold start: import %s, weight load %s, warm-up %s, ready %s (process start -> ready %s)",
+        *(_ms(cold.get(k)) for k in ("import_ms", "load_ms", "warmup_ms", "ready_ms")),
+        _ms(age),
+    )
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    if server.started:
+        host = server.config.host
+        shown = f"[{host}]" if ":" in host else host
+        url = f"http://{shown}:{server.config.port}"
+        print(f"quill: serving {state.served_model_name!r} at {url}/v1 (health {url}/health, metrics {url}/metrics)", flush=True)
+
+
+def _ms(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.0f} ms"
+
+
+def serve(args, config) -> int:
+    """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the model or the port failed."""
+    from quill.server.serve_cmd import process_age_ms
+
+    started_ms = process_age_ms()
+    app = create_app(None, served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_size)
+    state = app.state.quill
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=True,
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=5,
+    )
+    server = DrainingServer(uv_config, state, args.drain_timeout)
+    server.engine = None
+    loader = threading.Thread(target=_load_engine, args=(state, config, server, started_ms), name="quill-load", daemon=True)
+    loader.start()
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+        if exc.code not in (0, None):
+            logger.error("the server could not start (exit %s)", exc.code)
+            return 1
+    finally:
+        engine = server.engine
+        if engine is not None:
+            engine.shutdown(drain_timeout=0)
+    if state.load_error:
+        print(f"quill serve: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0

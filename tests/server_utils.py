@@ -1,0 +1,99 @@
+"""Helpers for server tests: a uvicorn server in a thread, raw-socket clients, /metrics parsing."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """Runs an ASGI app under uvicorn on 127.0.0.1:<free port> in a background thread."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def post_then_close(port: int, path: str, body: dict, *, read_bytes: int = 0, wait_s: float = 0.3, headers: dict | None = None) -> bytes:
+    """POST over a raw socket; read `read_bytes` of the answer (0: none), wait, then hang up."""
+    payload = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n{extra}\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(head + payload)
+        received = b""
+        sock.settimeout(30)
+        while len(received) < read_bytes:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        time.sleep(wait_s)
+        return received
+    finally:
+        sock.close()
+
+
+def read_sse_then_close(url: str, body: dict, num_chunks: int, headers: dict | None = None) -> list[dict]:
+    """Stream a request, keep the first `num_chunks` data events, then drop the connection."""
+    events: list[dict] = []
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", url, json=body, headers=headers or {}) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if len(events) >= num_chunks:
+                        break
+    return events
+
+
+def metric_value(text: str, name: str, labels: dict | None = None) -> float:
+    """The value of one sample in Prometheus text format (0.0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in (labels or {}).items())
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, value = line.rpartition(" ")
+        sample, _, label_text = key.partition("{")
+        if sample == name and label_text.rstrip("}") == want:
+            return float(value)
+    return 0.0
+
+
+def wait_until(predicate, timeout: float = 2.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
