@@ -152,7 +152,7 @@ def servers(mock_servers):
 def run_cli(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="quill bench")
     serve.register(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--no-progress", *argv])
+    args = parser.parse_args(["serve", "--no-progress", *(argv if "--warmup" in argv else ("--warmup", "0", *argv))])
     return args.func(args)
 
 
@@ -200,8 +200,10 @@ def test_timings_goodput_json_and_plot(servers, tmp_path, capsys):
             assert r["output_tokens"] == NUM_CHUNKS and len(r["itl_ms"]) == NUM_CHUNKS - 1
         assert level["goodput"] == pytest.approx(level["request_throughput"])
         assert level["output_throughput"] == pytest.approx(level["total_output_tokens"] / level["duration_s"])
-    # Concurrency 2 halves the wall time of the same four requests.
-    assert server["levels"][1]["request_throughput"] > 1.5 * server["levels"][0]["request_throughput"]
+    # Concurrency 1 sends each request after the previous one finished; concurrency 2 sends two at once.
+    one, two = (sorted(level["requests"], key=lambda r: r["send_s"]) for level in server["levels"])
+    assert one[1]["send_s"] * 1000 >= one[0]["send_s"] * 1000 + one[0]["e2e_ms"]
+    assert two[1]["send_s"] * 1000 < two[0]["send_s"] * 1000 + two[0]["ttft_ms"]
     body = mock.seen()["bodies"][0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["max_tokens"] == NUM_CHUNKS and body["temperature"] == 0
@@ -251,9 +253,10 @@ def test_request_rate_poisson(servers, tmp_path):
     url = servers["A"].url
     out_json = tmp_path / "r.json"
     assert run_cli("--base-url", url, "--request-rate", "40,inf", "--num-requests", "4", "--seed", "3",
-                   "--temperature", "0.5", "--json", str(out_json)) == 0
-    result = json.loads(out_json.read_text())
-    assert result["mode"] == "request_rate"
+                   "--temperature", "0.5", "--json", str(out_json), "--plot", str(tmp_path / "r.png")) == 0
+    result = json.loads(out_json.read_text(), parse_constant=pytest.fail)  # strict JSON: no Infinity
+    assert result["mode"] == "request_rate" and result["config"]["request_rates"] == [40.0, "inf"]
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     for level in result["servers"][0]["levels"]:
         assert level["completed"] == 4
         # Simultaneous sends each open a new connection: a looser bound.
@@ -264,14 +267,19 @@ def test_request_rate_poisson(servers, tmp_path):
 def test_vs_interleaves_levels_and_reports_ratios(servers, tmp_path, capsys):
     out_json = tmp_path / "r.json"
     assert run_cli("--base-url", servers["A"].url, "--vs", servers["B"].url, "--concurrency", "1,2",
-                   "--num-requests", "2", "--json", str(out_json)) == 0
+                   "--num-requests", "2", "--warmup", "1", "--json", str(out_json)) == 0
     received = [(t, label) for label in "AB" for t in servers[label].seen()["received"]]
-    assert [label for _, label in sorted(received)] == ["A", "A", "B", "B", "A", "A", "B", "B"]
+    # One uncounted warm-up per server, then A level 1, B level 1, A level 2, B level 2.
+    assert [label for _, label in sorted(received)] == ["A", "B", "A", "A", "B", "B", "A", "A", "B", "B"]
+    assert servers["A"].seen()["bodies"][0]["messages"][0]["content"].startswith("Warm-up")
     result = json.loads(out_json.read_text())
     assert [s["model"] for s in result["servers"]] == ["mock-A", "mock-B"]
+    assert all(level["num_requests"] == 2 for s in result["servers"] for level in s["levels"])
     assert [row["level"] for row in result["ratios"]] == [1, 2]
-    for row in result["ratios"]:
-        assert row["ratios"]["ttft_ms.p50"] == pytest.approx(1.0, abs=0.1)
+    for row, a, b in zip(result["ratios"], *(s["levels"] for s in result["servers"])):
+        assert row["ratios"]["ttft_ms.p50"] == pytest.approx(a["ttft_ms"]["p50"] / b["ttft_ms"]["p50"])
+        assert row["ratios"]["output_throughput"] == pytest.approx(a["output_throughput"] / b["output_throughput"])
+        assert row["ratios"]["ttft_ms.p50"] == pytest.approx(1.0, abs=0.3)  # identical mocks
     assert "A/B ratios" in capsys.readouterr().out
 
 

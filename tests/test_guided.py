@@ -43,8 +43,8 @@ def compiler(hf_tokenizer, vocab_size):
 
 
 @pytest.fixture(scope="module")
-def worker(vocab_size):
-    mask_worker = MaskWorker(vocab_size, num_threads=1)
+def worker():
+    mask_worker = MaskWorker(num_threads=1)
     yield mask_worker
     mask_worker.close()
 
@@ -247,14 +247,16 @@ def test_eos_only_where_the_grammar_may_end(compiler, hf_tokenizer):
 def test_logits_wider_than_tokenizer(hf_tokenizer, vocab_size):
     wide = vocab_size + 64  # padded embedding rows, as many checkpoints have
     compiler = GrammarCompiler(hf_tokenizer, EOS_IDS, wide)
-    mask_worker = MaskWorker(wide, num_threads=1)
+    mask_worker = MaskWorker(num_threads=1)
     try:
         matcher = compiler.new_matcher(SamplingParams(json_object=True))
-        logits = torch.zeros(2, wide)  # (B, V)
-        mask_worker.submit([(1, matcher)])
-        mask_worker.apply(logits)
-        assert torch.isinf(logits[1, vocab_size:]).all()
-        assert torch.equal(logits[0], torch.zeros(wide))
+        for width in (wide, wide + 32):  # logits as wide as the compiler's vocab, or wider still
+            logits = torch.zeros(2, width)  # (B, V')
+            mask_worker.submit([(1, matcher)])
+            mask_worker.apply(logits)
+            assert torch.isneginf(logits[1, vocab_size:]).all()
+            assert torch.isfinite(logits[1, :vocab_size]).sum() == len(matcher.allowed_token_ids())
+            assert torch.equal(logits[0], torch.zeros(width))
     finally:
         mask_worker.close()
     with pytest.raises(ValueError, match="below the tokenizer"):
@@ -307,10 +309,33 @@ def test_mask_worker_edge_cases(compiler, worker):
     worker.submit([(1, matcher)])
     with pytest.raises(ValueError, match="logits must be"):
         worker.apply(torch.zeros(2, 10))
+    with pytest.raises(TypeError, match="matcher_for"):
+        worker.submit(["a sequence"])
     worker.submit([(5, matcher)])
     with pytest.raises(ValueError, match="outside a batch"):
         worker.apply(logits)
+    with torch.inference_mode():
+        frozen = torch.zeros(1, compiler.vocab_size)  # an inference tensor, as the model makes them
+    worker.submit([(0, matcher)])
+    worker.apply(frozen)
+    assert torch.isfinite(frozen[0]).sum() == len(matcher.allowed_token_ids())
     worker.submit([(0, matcher)])
     worker.discard()  # a step abandoned after submit
     worker.apply(logits)
     assert torch.equal(logits, before)
+
+
+def test_mask_worker_takes_sequences_with_a_lookup(compiler):
+    """The runner's call style: submit(sampled sequences), apply(logits, sequences)."""
+    matchers = {"b": compiler.new_matcher(SamplingParams(regex="x|y"))}
+    mask_worker = MaskWorker(matchers.get, num_threads=1)
+    try:
+        logits = torch.randn(3, compiler.vocab_size)  # (B, V): rows for sequences a, b, c
+        before = logits.clone()
+        mask_worker.submit(["a", "b", "c"])
+        mask_worker.apply(logits, ["a", "b", "c"])
+        assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+        finite = torch.nonzero(torch.isfinite(logits[1])).flatten()
+        np.testing.assert_array_equal(finite.numpy(), matchers["b"].allowed_token_ids())
+    finally:
+        mask_worker.close()

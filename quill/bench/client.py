@@ -99,7 +99,7 @@ async def first_model_id(client: httpx.AsyncClient) -> str:
     response.raise_for_status()
     models = response.json().get("data") or []
     if not models:
-        raise ValueError(f"{client.base_url}/v1/models lists no models; pass --model")
+        raise ValueError(f"{client.base_url}/v1/models lists no models (still loading?); pass --model or retry")
     return models[0]["id"]
 
 

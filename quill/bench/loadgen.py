@@ -9,6 +9,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import httpx
+
 from quill.bench import report
 from quill.bench.client import RequestResult, first_model_id, make_client, stream_chat
 from quill.bench.stats import Slo, ratios, summarize_level
@@ -35,6 +37,7 @@ class ServeBenchConfig:
     api_key: str | None = None
     vs_url: str | None = None
     vs_model: str | None = None
+    warmup_requests: int = 1  # sent first, never counted: cold start stays out of warm latencies
     progress: bool = True
 
     @property
@@ -127,10 +130,27 @@ async def open_server(label: str, base_url: str, model: str | None, config: Serv
     client = make_client(base_url, config.api_key, config.timeout_s)
     try:
         model = model or await first_model_id(client)
+    except httpx.HTTPError as exc:
+        await client.aclose()
+        raise ConnectionError(f"cannot list models at {base_url}/v1/models ({type(exc).__name__}: {exc}); "
+                              "is the server up? (--model skips this call)") from None
     except Exception:
         await client.aclose()
         raise
-    return {"label": label, "base_url": base_url, "model": model, "client": client, "workload": workload, "levels": []}
+    return {"label": label, "base_url": base_url, "model": model, "client": client, "workload": workload,
+            "levels": [], "warmup_errors": await warm_up(client, model, config)}
+
+
+async def warm_up(client, model: str, config: ServeBenchConfig) -> list[str]:
+    """Short requests outside the workload (so no workload prompt gets cached); returns their errors."""
+    errors = []
+    for index in range(config.warmup_requests):
+        request = BenchRequest(({"role": "user", "content": f"Warm-up {index}: say hello."},), min(config.max_tokens, 8))
+        result = await stream_chat(client, request_body(request, model, config, index), RequestResult(-1, 0.0))
+        if result.error:
+            print(f"warning: warm-up request to {client.base_url} failed: {result.error}", file=sys.stderr)
+            errors.append(result.error)
+    return errors
 
 
 async def bench(config: ServeBenchConfig, on_level: Callable[[str, dict], None] | None = None) -> dict:

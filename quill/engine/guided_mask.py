@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import llguidance
 import numpy as np
@@ -39,6 +39,7 @@ class _Result:
         row_ids = np.asarray(rows, dtype=np.int64)
         keep = np.count_nonzero(allowed, axis=1) <= vocab_size // 2
         self.rows = rows
+        self.vocab_size = vocab_size
         self.keep_rows = row_ids[keep].tolist()
         self.keep_index = torch.from_numpy(_flat_index(row_ids[keep], allowed[keep], vocab_size))
         self.ban_index = torch.from_numpy(_flat_index(row_ids[~keep], ~allowed[~keep], vocab_size))
@@ -70,58 +71,85 @@ class MaskWorker:
     while it computes, so the model forward proceeds in parallel. apply() waits for it and
     writes -inf into the logits of the submitted rows only; other rows are never touched.
     The engine must not call GuidedMatcher.accept between submit() and apply().
+
+    matcher_for (optional) maps a sequence to its GuidedMatcher or None, so submit() may
+    also take this step's sampled sequences in logits-row order.
     """
 
-    def __init__(self, vocab_size: int, num_threads: int | None = None):
-        self.vocab_size = vocab_size
-        self._words = (vocab_size + 31) // 32
+    def __init__(self, matcher_for: Callable[[Any], GuidedMatcher | None] | None = None, *, num_threads: int | None = None):
+        self._matcher_for = matcher_for
         # llguidance's own pool spreads a batch's matchers over cores; ours only hands off.
         threads = num_threads or max(1, min(4, (os.cpu_count() or 2) - 1))
         self._executor = llguidance.LLExecutor(threads)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quill-guided-mask")
-        self._bitmask = np.full((8, self._words), -1, dtype=np.int32)  # grown on demand
+        self._bitmask = np.empty((0, 0), dtype=np.int32)  # (rows, words), grown on demand
         self._future: Future[_Result] | None = None
 
-    def submit(self, matchers: list[tuple[int, GuidedMatcher]]) -> None:
-        """Start computing masks for (logits row, matcher) pairs of this step; returns at once."""
+    def submit(self, items: list) -> None:
+        """Start this step's masks; returns at once.
+
+        items: (logits row, GuidedMatcher) pairs, or sequences in logits-row order (needs matcher_for).
+        """
         self.discard()  # a job left over from a failed step must finish before matchers move
-        if not matchers:
+        pairs = self._pairs(items)
+        if not pairs:
             return
-        rows = [int(row) for row, _ in matchers]
+        rows = [int(row) for row, _ in pairs]
         if len(set(rows)) != len(rows) or min(rows) < 0:
             raise ValueError(f"submit: rows must be distinct non-negative indices, got {rows}")
-        for _, matcher in matchers:
-            if matcher.vocab_size != self.vocab_size:
-                raise ValueError(f"submit: matcher vocab_size {matcher.vocab_size} != worker's {self.vocab_size}")
-        if len(rows) > self._bitmask.shape[0]:
-            self._bitmask = np.full((2 * len(rows), self._words), -1, dtype=np.int32)
-        pairs = [(matcher.ll_matcher, slot) for slot, (_, matcher) in enumerate(matchers)]
-        self._future = self._pool.submit(self._compute, rows, pairs)
+        vocab_size = pairs[0][1].vocab_size
+        if any(matcher.vocab_size != vocab_size for _, matcher in pairs):
+            raise ValueError(f"submit: matchers disagree on vocab_size: {sorted({m.vocab_size for _, m in pairs})}")
+        words = (vocab_size + 31) // 32
+        if len(rows) > self._bitmask.shape[0] or words != self._bitmask.shape[1]:
+            self._bitmask = np.empty((max(8, 2 * len(rows)), words), dtype=np.int32)
+        ll_pairs = [(matcher.ll_matcher, slot) for slot, (_, matcher) in enumerate(pairs)]
+        self._future = self._pool.submit(self._compute, rows, ll_pairs, vocab_size)
 
-    def _compute(self, rows: list[int], pairs: list) -> _Result:
+    def _pairs(self, items: list) -> list[tuple[int, GuidedMatcher]]:
+        if not items or isinstance(items[0], tuple):
+            return list(items)
+        if self._matcher_for is None:
+            raise TypeError("submit: pass (row, matcher) pairs, or build MaskWorker(matcher_for) to pass sequences")
+        found = ((row, self._matcher_for(seq)) for row, seq in enumerate(items))
+        return [(row, matcher) for row, matcher in found if matcher is not None]
+
+    def _compute(self, rows: list[int], ll_pairs: list, vocab_size: int) -> _Result:
         bitmask = self._bitmask[: len(rows)]  # (R, W) int32, contiguous
-        fill_next_token_bitmask_par(self._executor, pairs, bitmask)
-        return _Result(rows, unpack_bitmask(bitmask, self.vocab_size), self.vocab_size)
+        fill_next_token_bitmask_par(self._executor, ll_pairs, bitmask)
+        return _Result(rows, unpack_bitmask(bitmask, vocab_size), vocab_size)
 
-    def apply(self, logits: torch.Tensor) -> None:
+    def apply(self, logits: torch.Tensor, _sequences: list | None = None) -> None:
         """Wait for this step's masks; set forbidden tokens of the submitted rows to -inf in place.
 
-        logits: (B, V) float. No-op when nothing was submitted.
+        logits: (B, V') float with V' >= the matchers' vocab_size (ids beyond it are
+        forbidden on constrained rows). The rows are those given to submit(); a second
+        argument (the sequences again) is accepted and ignored. No-op when nothing was submitted.
         """
         future, self._future = self._future, None
         if future is None:
             return
         result = future.result()  # re-raises a worker failure here, on the engine thread
-        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
-            raise ValueError(f"apply: logits must be (B, {self.vocab_size}), got {tuple(logits.shape)}")
+        # Logits made under torch.inference_mode() may only be written to inside it.
+        with torch.inference_mode(logits.is_inference()):
+            self._write(logits, result)
+
+    @staticmethod
+    def _write(logits: torch.Tensor, result: _Result) -> None:
+        vocab_size = result.vocab_size
+        if logits.dim() != 2 or logits.shape[1] < vocab_size:
+            raise ValueError(f"apply: logits must be (B, >= {vocab_size}), got {tuple(logits.shape)}")
         if max(result.rows) >= logits.shape[0]:
             raise ValueError(f"apply: row {max(result.rows)} is outside a batch of {logits.shape[0]}")
-        if logits.is_contiguous():
+        if logits.shape[1] == vocab_size and logits.is_contiguous():
             _apply_result(logits, result)
-        else:  # rare (a strided view): mask a compact copy, then write it back
-            compact = logits.contiguous()
-            _apply_result(compact, result)
-            logits.copy_(compact)
+            return
+        # Rare: padded or strided logits. Mask a compact copy of the vocab columns, write it back.
+        compact = logits[:, :vocab_size].contiguous()
+        _apply_result(compact, result)
+        logits[:, :vocab_size].copy_(compact)
+        for row in result.rows:
+            logits[row, vocab_size:] = float("-inf")
 
     def discard(self) -> None:
         """Wait for and drop an in-flight job (e.g. after a failed forward)."""

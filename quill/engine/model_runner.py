@@ -75,7 +75,8 @@ class ModelRunner:
             row += n
             if item.samples:
                 sample_rows.append(row - 1)
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device), prefills=prefills,
+                                 gemv_rows=_leading_decodes(scheduled))
         if decode_rows:
             self._decode_meta(meta, decode_rows, decode_ctx, np.concatenate(pos)[decode_rows])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -130,3 +131,13 @@ class ModelRunner:
         ]
         result = self.sampler(logits, rows)
         return StepResult([(s, t, lp) for s, t, lp in zip(sampling, result.token_ids, result.logprobs)])
+
+
+def _leading_decodes(scheduled: list[ScheduledSeq]) -> int:
+    """Rows at the front of the batch that are one-token decodes (the scheduler puts them first)."""
+    count = 0
+    for item in scheduled:
+        if item.num_new_tokens != 1:
+            break
+        count += 1
+    return count

@@ -36,6 +36,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # (Bd,) long: rows of the flat batch that are decodes
     decode_slots: torch.Tensor | None = None  # (Bd, Lmax) long: cache slots of each decode's context
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) bool, True = attend
+    gemv_rows: int = 0  # leading rows that are running decodes: linears keep them on the row-invariant kernel
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):

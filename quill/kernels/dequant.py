@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quill.config import UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 Q = GGMLQuantizationType
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
@@ -180,8 +183,9 @@ def _dequantize_float(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarr
     return (data.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def dequantize(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
+def dequantize(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> "torch.Tensor":
     """GGUF tensor data -> float32 tensor of `shape` (row-major torch order; blocks along the last dim)."""
+    import torch  # lazy: metadata-only users (quill memory) stay torch-free
     qtype = _check_type(qtype)
     shape = tuple(int(n) for n in shape)
     if qtype in FLOAT_TYPES:

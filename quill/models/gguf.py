@@ -5,14 +5,16 @@ from __future__ import annotations
 import re
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 
 from quill.config import ModelConfig, UnsupportedModelError
 from quill.kernels.dequant import SUPPORTED_TYPES, dequantize
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs are written with arch "llama"
 # Arrays this long (vocabularies, merges) stay out of the generic metadata dict.
@@ -256,7 +258,7 @@ class GGUFModelFile:
             raise KeyError(f"no tensor {hf_name!r} in {self.path.name}")
         return self._load(reader_tensor)
 
-    def dequantize_tensor(self, hf_name: str) -> torch.Tensor:
+    def dequantize_tensor(self, hf_name: str) -> "torch.Tensor":
         """(*shape) float32 copy of one tensor in Hugging Face layout."""
         t = self.tensor(hf_name)
         return dequantize(t.raw, t.qtype, t.shape)

@@ -16,11 +16,32 @@ from torch import nn
 from quill.config import ModelConfig
 from quill.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from quill.kernels.linear import DenseLinear
+from quill.kernels.packed import DenseEmbedding
 from quill.models.rope import RotaryEmbedding
 
-# name -> tensor getter; the loader supplies fp32 tensors (or packed ones for its factory)
+# name -> tensor getter; the loader supplies fp32 tensors
 WeightGetter = Callable[[str], torch.Tensor]
-LinearFactory = Callable[[list[str], bool, tuple[int, ...]], nn.Module]
+
+
+class DenseWeights:
+    """Builds fp32 layers from a tensor getter (safetensors, or a dequantized GGUF)."""
+
+    def __init__(self, get: WeightGetter):
+        self.get = get
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
+    def linear(self, names: list[str], has_bias: bool) -> nn.Module:
+        w = torch.cat([self.get(n + ".weight").float() for n in names], dim=0)
+        b = torch.cat([self.get(n + ".bias").float() for n in names], dim=0) if has_bias else None
+        return DenseLinear(w.contiguous(), b)
+
+    def embedding(self, name: str) -> nn.Module:
+        return DenseEmbedding(self.get(name).float().contiguous())
+
+    def tied_head(self, embedding: nn.Module) -> nn.Module:
+        return DenseLinear(embedding.weight.data)
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +70,7 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata):  # x (T, H)
         T = x.shape[0]
-        qkv = self.qkv_proj(x)  # (T, q + 2 kv)
+        qkv = self.qkv_proj(x, meta.gemv_rows)  # (T, q + 2 kv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -58,7 +79,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, H, hd)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.o_proj(o.reshape(T, self.q_size), meta.gemv_rows)
 
 
 class MLP(nn.Module):
@@ -68,9 +89,9 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up, down
 
-    def forward(self, x):  # (T, H)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, gemv_rows: int = 0):  # (T, H)
+        gate, up = self.gate_up_proj(x, gemv_rows).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, gemv_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -83,65 +104,76 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def dense_factory(get: WeightGetter) -> LinearFactory:
-    """Concatenate the named weights along the output dim into one DenseLinear."""
-
-    def make(names: list[str], has_bias: bool, _shape=()) -> nn.Module:
-        w = torch.cat([get(n + ".weight") for n in names], dim=0) if len(names) > 1 else get(names[0] + ".weight")
-        b = torch.cat([get(n + ".bias") for n in names], dim=0) if has_bias else None
-        return DenseLinear(w.float().contiguous(), None if b is None else b.float())
-
-    return make
+        return x + self.mlp(self.post_attention_layernorm(x), meta.gemv_rows)
 
 
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head."""
 
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, make_linear: LinearFactory | None = None,
-                 device: str | torch.device = "cpu", progress: Callable[[int], None] | None = None):
+    def __init__(self, cfg: ModelConfig, weights, device: str | torch.device = "cpu",
+                 progress: Callable[[int], None] | None = None):
+        """weights: DenseWeights, or any source with tensor/linear/embedding/tied_head (packed GGUF)."""
         super().__init__()
         self.config = cfg
-        make_linear = make_linear or dense_factory(get)
+        if callable(weights):
+            weights = DenseWeights(weights)
         max_pos = max(cfg.max_position_embeddings, 1)
         self.rope = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling_dict, device)
-        self.embed_tokens = nn.Parameter(get("model.embed_tokens.weight").float(), requires_grad=False)  # (V, H)
+        self.embed_tokens = weights.embedding("model.embed_tokens.weight")
         layers = []
         for i in range(cfg.num_layers):
-            layers.append(self._build_layer(cfg, i, get, make_linear))
+            layers.append(self._build_layer(cfg, i, weights))
             if progress:
                 progress(i)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(get("model.norm.weight"), cfg.rms_norm_eps)
+        self.norm = RMSNorm(weights.tensor("model.norm.weight"), cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
-            self.lm_head = DenseLinear(self.embed_tokens.data)
+            self.lm_head = weights.tied_head(self.embed_tokens)
         else:
-            self.lm_head = make_linear(["lm_head"], False, (cfg.vocab_size, cfg.hidden_size))
+            self.lm_head = weights.linear(["lm_head"], False)
 
-    def _build_layer(self, cfg: ModelConfig, i: int, get: WeightGetter, make_linear: LinearFactory) -> DecoderLayer:
+    def _build_layer(self, cfg: ModelConfig, i: int, weights) -> DecoderLayer:
         p = f"model.layers.{i}."
-        qkv = make_linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], cfg.attention_bias, ())
-        o = make_linear([p + "self_attn.o_proj"], False, ())
-        gate_up = make_linear([p + "mlp.gate_proj", p + "mlp.up_proj"], False, ())
-        down = make_linear([p + "mlp.down_proj"], False, ())
-        attn = Attention(cfg, qkv, o, self.rope)
+        attn = Attention(
+            cfg,
+            weights.linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], cfg.attention_bias),
+            weights.linear([p + "self_attn.o_proj"], False),
+            self.rope,
+        )
+        mlp = MLP(weights.linear([p + "mlp.gate_proj", p + "mlp.up_proj"], False),
+                  weights.linear([p + "mlp.down_proj"], False))
         return DecoderLayer(
             attn,
-            MLP(gate_up, down),
-            RMSNorm(get(p + "input_layernorm.weight"), cfg.rms_norm_eps),
-            RMSNorm(get(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps),
+            mlp,
+            RMSNorm(weights.tensor(p + "input_layernorm.weight"), cfg.rms_norm_eps),
+            RMSNorm(weights.tensor(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps),
         )
+
+    def resident_bytes(self) -> int:
+        """Bytes of weights held in memory: every distinct tensor counted once (tied heads share)."""
+        seen: dict[int, int] = {}
+        for t in self._weight_tensors():
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    def _weight_tensors(self):
+        yield from self.parameters()
+        for m in self.modules():
+            w = getattr(m, "weight", None)
+            if w is not None and not isinstance(w, torch.Tensor):  # a PackedWeight
+                yield from (w.codes, w.scale, w.mins)
+            b = getattr(m, "bias", None)
+            if isinstance(b, torch.Tensor) and not isinstance(b, nn.Parameter):
+                yield b
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
         """input_ids, positions (T,) -> hidden (T, H) after the final norm."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed_tokens(input_ids)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, kv, meta)
         return self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, H) -> (B, V)
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, hidden.shape[0])  # every row: logits stay batch-invariant

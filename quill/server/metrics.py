@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -45,6 +45,8 @@ class ServerMetrics:
     """The server's Prometheus registry: latency histograms, token and request counters, gauges."""
 
     def __init__(self, stats: Callable[[], dict | None]):
+        # *_created timestamps are noise for dashboards (vLLM drops them too); process-wide switch.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=False)
         r, ns = self.registry, "quill"
         self.ttft = Histogram("time_to_first_token_seconds", "Request arrival to first output token.", namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)

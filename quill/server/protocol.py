@@ -33,12 +33,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class _SamplingFields(_Request):
     """Fields shared by chat and text completions."""
 
@@ -64,7 +58,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    response_format: ResponseFormat | None = None
+    response_format: dict[str, Any] | None = None  # checked by guided_spec.constraint_kwargs
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -126,28 +120,25 @@ def requested_max_tokens(req: _SamplingFields) -> tuple[int | None, str]:
 
 def structured_fields(req: _SamplingFields) -> tuple[dict[str, Any], dict[str, str]]:
     """SamplingParams constraint kwargs, and which request field each came from."""
+    fields = {
+        "response_format": req.response_format,
+        "guided_json": req.guided_json,
+        "guided_regex": req.guided_regex,
+        "guided_choice": req.guided_choice,
+        "guided_grammar": req.guided_grammar,
+    }
+    if all(v is None for v in fields.values()):
+        return {}, {}
+    from quill.engine.guided_spec import constraint_kwargs  # imports llguidance: only when asked
+    from quill.sampling_params import ParamError
     from quill.server.errors import bad_request
 
-    kwargs: dict[str, Any] = {}
-    source: dict[str, str] = {}
-    rf = req.response_format
-    if rf is not None and rf.type == "json_object":
-        kwargs["json_object"], source["json_object"] = True, "response_format"
-    elif rf is not None and rf.type == "json_schema":
-        spec = rf.json_schema or {}
-        schema = spec.get("schema", spec.get("json_schema"))
-        if not isinstance(schema, (dict, str)):
-            raise bad_request("response_format.json_schema.schema: a JSON schema object is required", "response_format")
-        kwargs["json_schema"], source["json_schema"] = schema, "response_format"
-    extensions = {"json_schema": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice, "grammar": req.guided_grammar}
-    names = {"json_schema": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
-    for field, value in extensions.items():
-        if value is None:
-            continue
-        if kwargs:
-            raise bad_request(f"{names[field]}: at most one output constraint per request, got {sorted([*source.values(), names[field]])}", names[field])
-        kwargs[field], source[field] = value, names[field]
-    return kwargs, source
+    try:
+        kwargs = constraint_kwargs(**fields)
+    except ParamError as exc:
+        raise bad_request(f"{exc.param}: {str(exc).split(': ', 1)[-1]}", exc.param) from exc
+    source = (kwargs.get("extra") or {}).get("guided_param")
+    return kwargs, {k: source for k in kwargs if k != "extra" and source}
 
 
 def unsupported_fields(req: _SamplingFields) -> None:

@@ -42,13 +42,16 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True  # uvicorn's main loop polls this every 0.1 s
 
 
-def _load_engine(state, config, server: DrainingServer, t_start_ms: float | None) -> None:
+def _load_engine(state, config, server: DrainingServer) -> None:
     """Import and load the engine (blocking), attach it, log the cold start, print the URL."""
+    from quill.server.serve_cmd import process_age_ms
+
+    before_import = process_age_ms() or 0.0  # interpreter start + CLI imports
     t0 = time.perf_counter()
     try:
         from quill.engine.async_engine import AsyncEngine
 
-        import_ms = (time.perf_counter() - t0) * 1000.0
+        import_ms = before_import + (time.perf_counter() - t0) * 1000.0
         engine = AsyncEngine.from_config(config)
         engine.start()
     except BaseException as exc:  # noqa: BLE001 - any failure must stop the server, not hang it
@@ -58,15 +61,11 @@ def _load_engine(state, config, server: DrainingServer, t_start_ms: float | None
         return
     state.attach(engine)
     server.engine = engine
-    from quill.server.serve_cmd import process_age_ms
-
     cold = dict(getattr(engine, "cold_start", {}) or {})
-    cold["import_ms"] = import_ms + (cold.get("import_ms") or 0.0)
-    age = process_age_ms()
+    ready_ms = process_age_ms()
     logger.info(
-        "cold start: import %s, weight load %s, warm-up %s, ready %s (process start -> ready %s)",
-        *(_ms(cold.get(k)) for k in ("import_ms", "load_ms", "warmup_ms", "ready_ms")),
-        _ms(age),
+        "cold start: import %s, weight load %s, warm-up %s, ready %s after process start",
+        _ms(import_ms), _ms(cold.get("load_ms")), _ms(cold.get("warmup_ms")), _ms(ready_ms),
     )
     while not server.started and not server.should_exit:
         time.sleep(0.05)
@@ -83,9 +82,6 @@ def _ms(value: float | None) -> str:
 
 def serve(args, config) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the model or the port failed."""
-    from quill.server.serve_cmd import process_age_ms
-
-    started_ms = process_age_ms()
     app = create_app(None, served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_size)
     state = app.state.quill
     uv_config = uvicorn.Config(
@@ -99,7 +95,7 @@ def serve(args, config) -> int:
     )
     server = DrainingServer(uv_config, state, args.drain_timeout)
     server.engine = None
-    loader = threading.Thread(target=_load_engine, args=(state, config, server, started_ms), name="quill-load", daemon=True)
+    loader = threading.Thread(target=_load_engine, args=(state, config, server), name="quill-load", daemon=True)
     loader.start()
     try:
         server.run()

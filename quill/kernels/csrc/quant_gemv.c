@@ -1,0 +1,150 @@
+/* Quantized GEMV / small GEMM for decode, and tile dequantization for prefill (AVX2 + FMA).
+ *
+ * Layout (quill/kernels/packed.py): a weight (N rows, K cols) is G = K/32 groups per row.
+ *   q4: codes 0..15 packed two per byte, byte j of a group holds element j (low nibble)
+ *       and element j+16 (high nibble) -- the GGUF Q4_0/Q4_1 order, so loading is a copy.
+ *   q8: one signed byte per element.
+ *   value = scale[n,g] * code + min[n,g]   (fp32 scale and min per group)
+ *
+ * Batch invariance: every (row, batch item) is reduced in the same order -- groups in
+ * order, within a group four 8-wide FMAs in order, then one horizontal sum -- whatever B
+ * is or where the item sits in the batch. Tiling over B only changes which items share
+ * a weight load, never the arithmetic of one item.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static void group_sums(const float *x, float *xs, int B, int G) {
+    for (int b = 0; b < B; b++)
+        for (int g = 0; g < G; g++) {
+            const float *p = x + ((long)b * G + g) * 32;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+            xs[(long)b * G + g] = hsum8(s);
+        }
+}
+
+static inline void unpack_q4(const uint8_t *src, __m256 w[4]) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)src);
+    __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline void unpack_q8(const int8_t *src, __m256 w[4]) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)src);
+    __m128i a = _mm256_castsi256_si128(raw), c = _mm256_extracti128_si256(raw, 1);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+}
+
+static inline __m256 dot32(const __m256 w[4], const float *xg) {
+    __m256 d = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+    d = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), d);
+    d = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), d);
+    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), d);
+}
+
+#define TILE 4
+
+/* One row n for batch items [b0, b0+nb), nb <= TILE. */
+#define ROW_KERNEL(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                         \
+    static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,         \
+                     const float *xs, float *out, int N, int n, int G, int b0, int nb) {          \
+        __m256 acc[TILE];                                                                         \
+        float accm[TILE];                                                                         \
+        for (int t = 0; t < nb; t++) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }             \
+        const long K = (long)G * 32;                                                              \
+        for (int g = 0; g < G; g++) {                                                             \
+            __m256 w[4];                                                                          \
+            UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
+            __m256 s = _mm256_set1_ps(sc[g]);                                                     \
+            for (int t = 0; t < nb; t++) {                                                        \
+                long b = b0 + t;                                                                  \
+                acc[t] = _mm256_fmadd_ps(s, dot32(w, x + b * K + (long)g * 32), acc[t]);          \
+                accm[t] += mn[g] * xs[b * G + g];                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int t = 0; t < nb; t++) out[(long)(b0 + t) * N + n] = hsum8(acc[t]) + accm[t];      \
+    }
+
+ROW_KERNEL(row_q4, uint8_t, 16, unpack_q4)
+ROW_KERNEL(row_q8, int8_t, 32, unpack_q8)
+
+/* out (B, N) = x (B, K) @ W.T ; xs is scratch of B*G floats. */
+void quill_gemv_q4(const uint8_t *codes, const float *scale, const float *mins, const float *x, float *xs,
+                   float *out, int N, int G, int B) {
+    group_sums(x, xs, B, G);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = codes + (long)n * G * 16;
+        for (int b0 = 0; b0 < B; b0 += TILE) {
+            int nb = B - b0 < TILE ? B - b0 : TILE;
+            row_q4(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb);
+        }
+    }
+}
+
+void quill_gemv_q8(const int8_t *codes, const float *scale, const float *mins, const float *x, float *xs,
+                   float *out, int N, int G, int B) {
+    group_sums(x, xs, B, G);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int8_t *row = codes + (long)n * G * 32;
+        for (int b0 = 0; b0 < B; b0 += TILE) {
+            int nb = B - b0 < TILE ? B - b0 : TILE;
+            row_q8(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb);
+        }
+    }
+}
+
+/* Dequantize rows [0, N) into out (N, K) fp32: the reused tile buffer prefill GEMMs read. */
+void quill_dequant_q4(const uint8_t *codes, const float *scale, const float *mins, float *out, int N, int G) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < G; g++) {
+            __m256 w[4];
+            unpack_q4(codes + ((long)n * G + g) * 16, w);
+            __m256 s = _mm256_set1_ps(scale[(long)n * G + g]), m = _mm256_set1_ps(mins[(long)n * G + g]);
+            float *o = out + ((long)n * G + g) * 32;
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(w[i], s, m));
+        }
+}
+
+void quill_dequant_q8(const int8_t *codes, const float *scale, const float *mins, float *out, int N, int G) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < G; g++) {
+            __m256 w[4];
+            unpack_q8(codes + ((long)n * G + g) * 32, w);
+            __m256 s = _mm256_set1_ps(scale[(long)n * G + g]), m = _mm256_set1_ps(mins[(long)n * G + g]);
+            float *o = out + ((long)n * G + g) * 32;
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(w[i], s, m));
+        }
+}
+
+/* STREAM-like read bandwidth probe: sums n floats with all threads. */
+double quill_read_sum(const float *a, long n) {
+    double total = 0.0;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+    for (long i = 0; i < n / 32; i++) {
+        const float *p = a + i * 32;
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+        total += hsum8(s);
+    }
+    return total;
+}

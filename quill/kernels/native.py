@@ -1,0 +1,75 @@
+"""Build (once, cached) and load the C kernels with the system compiler; None where that is impossible."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger("quill.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_gemv.c"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+P, I = ctypes.c_void_p, ctypes.c_int
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("QUILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "quill")
+    return Path(base) / "kernels"
+
+
+def cpu_supported() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def _build(target: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc) found")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[:500]}")
+        os.replace(out, target)  # atomic: concurrent builders never load a half-written file
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None (no AVX2/FMA, no compiler): callers then use torch's dense path."""
+    if os.environ.get("QUILL_DISABLE_NATIVE") == "1" or not cpu_supported():
+        return None
+    import torch  # noqa: F401  -- load torch's libgomp first so the kernels share its OpenMP pool
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"quill_kernels_{digest}.so"
+    try:
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (RuntimeError, OSError) as e:
+        logger.warning("native kernels unavailable (%s); using the dense torch path", e)
+        return None
+    for name in ("quill_gemv_q4", "quill_gemv_q8"):
+        getattr(lib, name).argtypes = [P, P, P, P, P, P, I, I, I]
+        getattr(lib, name).restype = None
+    for name in ("quill_dequant_q4", "quill_dequant_q8"):
+        getattr(lib, name).argtypes = [P, P, P, P, I, I]
+        getattr(lib, name).restype = None
+    lib.quill_read_sum.argtypes = [P, ctypes.c_long]
+    lib.quill_read_sum.restype = ctypes.c_double
+    return lib

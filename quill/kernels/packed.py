@@ -1,0 +1,202 @@
+"""Low-bit weights kept low-bit in memory: the packed layout, and the linear/embedding built on it.
+
+Two layouts cover the GGUF types (value = scale[n, g] * code + min[n, g], 32-element groups):
+  q4  codes 0..15, two per byte in GGUF's Q4_0/Q4_1 order   <- Q4_0, Q4_1, Q4_K
+  q8  one signed byte per code                               <- Q8_0, Q5_K
+Other types (F16/BF16/F32, Q6_K with its 16-element groups) stay on the dense fp32 path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from torch import nn
+
+from quill.kernels import native
+from quill.kernels.dequant import unpack_blocks
+
+GROUP = 32
+SMALL_BATCH = 16  # up to this many rows always go through the GEMV kernel
+_BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
+PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K})
+
+
+@dataclass
+class PackedWeight:
+    """(rows, cols) weight as codes plus per-group fp32 scale and min."""
+
+    kind: str  # "q4" | "q8"
+    codes: torch.Tensor  # q4: (rows, G*16) uint8; q8: (rows, G*32) int8
+    scale: torch.Tensor  # (rows, G) float32
+    mins: torch.Tensor  # (rows, G) float32
+
+    @property
+    def rows(self) -> int:
+        return self.scale.shape[0]
+
+    @property
+    def groups(self) -> int:
+        return self.scale.shape[1]
+
+    @property
+    def cols(self) -> int:
+        return self.groups * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins))
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(rows, cols) float32, written into `out` when given."""
+        out = torch.empty(self.rows, self.cols) if out is None else out
+        lib = native.load()
+        if lib is not None:
+            fn = lib.quill_dequant_q4 if self.kind == "q4" else lib.quill_dequant_q8
+            fn(self.codes.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(), out.data_ptr(), self.rows, self.groups)
+            return out
+        out.copy_(self._codes_float().view(self.rows, self.groups, GROUP).mul(self.scale[..., None])
+                  .add(self.mins[..., None]).view(self.rows, self.cols))
+        return out
+
+    def _codes_float(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        codes = self.codes if rows is None else self.codes[rows]
+        if self.kind == "q8":
+            return codes.float()
+        pairs = codes.view(codes.shape[0], self.groups, 16)
+        return torch.stack((pairs & 15, pairs >> 4), dim=2).reshape(codes.shape[0], self.cols).float()
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
+        codes = self._codes_float(ids).view(len(ids), self.groups, GROUP)
+        return (codes * self.scale[ids][..., None] + self.mins[ids][..., None]).view(len(ids), self.cols)
+
+
+def _f16(col: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(col).view(np.float16).astype(np.float32)[..., 0]
+
+
+def pack_gguf(qtype, shape: tuple[int, ...], raw: np.ndarray) -> PackedWeight | None:
+    """A GGUF tensor's raw blocks -> PackedWeight (exact), or None if the type has no packed layout."""
+    qtype = Q(qtype)
+    if qtype not in PACKABLE or len(shape) != 2 or shape[1] % GROUP:
+        return None
+    rows, cols = shape
+    groups = cols // GROUP
+    if qtype in _BLOCK_BYTES:
+        blocks = np.asarray(raw).view(np.uint8).reshape(rows, groups, _BLOCK_BYTES[qtype])
+        d = _f16(blocks[..., 0:2])
+        if qtype == Q.Q8_0:
+            codes = blocks[..., 2:].view(np.int8).reshape(rows, groups * 32)
+            return _make("q8", codes, d, np.zeros_like(d))
+        if qtype == Q.Q4_0:
+            return _make("q4", blocks[..., 2:].reshape(rows, groups * 16), d, -8.0 * d)
+        return _make("q4", blocks[..., 4:].reshape(rows, groups * 16), d, _f16(blocks[..., 2:4]))
+    unpacked = unpack_blocks(raw, qtype, shape)  # K-quants: per-32 sub-block scale and min
+    codes = unpacked.codes.reshape(rows, groups, 2, 16)
+    if qtype == Q.Q4_K:
+        nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, groups * 16)
+        return _make("q4", nibbles, unpacked.scales, unpacked.mins)
+    return _make("q8", unpacked.codes.astype(np.int8), unpacked.scales, unpacked.mins)
+
+
+def _make(kind: str, codes: np.ndarray, scale: np.ndarray, mins: np.ndarray) -> PackedWeight:
+    as_t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a, dtype=dt))  # noqa: E731
+    return PackedWeight(kind, as_t(codes, np.uint8 if kind == "q4" else np.int8),
+                        as_t(scale, np.float32), as_t(mins, np.float32))
+
+
+def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Fuse q/k/v or gate/up: stack rows (all parts share kind and column count)."""
+    if len(parts) == 1:
+        return parts[0]
+    return PackedWeight(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.mins for p in parts]))
+
+
+class Workspace:
+    """Scratch reused by every packed linear: the prefill dequant tile and the group sums."""
+
+    def __init__(self):
+        self._tile = torch.empty(0)
+        self._sums = torch.empty(0)
+
+    def tile(self, numel: int) -> torch.Tensor:
+        if self._tile.numel() < numel:
+            self._tile = torch.empty(numel)
+        return self._tile[:numel]
+
+    def sums(self, numel: int) -> torch.Tensor:
+        if self._sums.numel() < numel:
+            self._sums = torch.empty(max(numel, 4096))
+        return self._sums[:numel]
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T (+ b) on packed weights: GEMV kernel for decode rows, dequant tile + BLAS for prefill."""
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, workspace: Workspace):
+        super().__init__()
+        self.weight, self.bias, self.workspace = weight, bias, workspace
+        self.out_features, self.in_features = weight.rows, weight.cols
+        self._lib = native.load()
+
+    def resident_bytes(self) -> int:
+        return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def forward(self, x: torch.Tensor, gemv_rows: int = 0) -> torch.Tensor:
+        """x (T, in) -> (T, out). The first `gemv_rows` rows (decodes) always use the row-invariant kernel."""
+        x = x.contiguous()
+        T = x.shape[0]
+        out = torch.empty(T, self.out_features)
+        kernel_rows = T if T <= SMALL_BATCH else gemv_rows
+        if self._lib is None:
+            kernel_rows = 0
+        if kernel_rows:
+            self.gemv(x[:kernel_rows], out[:kernel_rows])
+        if kernel_rows < T:
+            w = self.weight.dequantize(self.workspace.tile(self.out_features * self.in_features).view(
+                self.out_features, self.in_features))
+            torch.mm(x[kernel_rows:], w.t(), out=out[kernel_rows:])
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """x (B, in) contiguous -> out (B, out) rows written in place."""
+        w = self.weight
+        fn = self._lib.quill_gemv_q4 if w.kind == "q4" else self._lib.quill_gemv_q8
+        sums = self.workspace.sums(x.shape[0] * w.groups)
+        fn(w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), sums.data_ptr(),
+           out.data_ptr(), w.rows, w.groups, x.shape[0])
+
+
+class PackedEmbedding(nn.Module):
+    """Token embedding that dequantizes only the rows looked up."""
+
+    def __init__(self, weight: PackedWeight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
+        return self.weight.dequantize_rows(ids)
+
+    def resident_bytes(self) -> int:
+        return self.weight.nbytes
+
+
+class DenseEmbedding(nn.Module):
+    """fp32 embedding table."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # (V, H)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def resident_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
