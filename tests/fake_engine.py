@@ -80,6 +80,7 @@ class FakeEngine:
         self.aborted: dict[str, str] = {}  # request id -> phase it was in when aborted
         self.finished: dict[str, str] = {}  # request id -> finish reason of choice 0
         self.seen_prompts: list[tuple[int, ...]] = []
+        self.abort_calls: list[str] = []
         self.received_params: dict = {}
         self._slots: asyncio.Semaphore | None = None
 
@@ -124,6 +125,7 @@ class FakeEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
         req = self.requests.get(request_id)
         if req is not None:
             req.abort_event.set()

@@ -41,8 +41,10 @@ class ThreadServer:
         self.thread.join(timeout=10)
 
 
-def post_then_close(port: int, path: str, body: dict, *, read_bytes: int = 0, wait_s: float = 0.3, headers: dict | None = None) -> bytes:
-    """POST over a raw socket; read `read_bytes` of the answer (0: none), wait, then hang up."""
+def post_then_close(port: int, path: str, body: dict, *, read_bytes: int = 0, wait_s: float = 0.3, headers: dict | None = None,
+                    until: threading.Event | None = None) -> bytes:
+    """POST over a raw socket; read `read_bytes` of the answer (0: none), wait (`wait_s`, or
+    until `until` is set), then hang up."""
     payload = json.dumps(body).encode()
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -57,7 +59,10 @@ def post_then_close(port: int, path: str, body: dict, *, read_bytes: int = 0, wa
             if not chunk:
                 break
             received += chunk
-        time.sleep(wait_s)
+        if until is not None:
+            until.wait(timeout=600)
+        else:
+            time.sleep(wait_s)
         return received
     finally:
         sock.close()

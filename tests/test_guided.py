@@ -245,7 +245,7 @@ def test_eos_only_where_the_grammar_may_end(compiler, hf_tokenizer):
 
 
 def test_logits_wider_than_tokenizer(hf_tokenizer, vocab_size):
-    wide = vocab_size + 64  # padded embedding rows, as many checkpoints have
+    wide = vocab_size + 37  # padded embedding rows (and a width that is no multiple of 32)
     compiler = GrammarCompiler(hf_tokenizer, EOS_IDS, wide)
     mask_worker = MaskWorker(num_threads=1)
     try:
@@ -265,13 +265,14 @@ def test_logits_wider_than_tokenizer(hf_tokenizer, vocab_size):
         GrammarCompiler(hf_tokenizer, (), vocab_size)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy path, torch path
 @pytest.mark.parametrize("rows", [[1, 3], [2, 3], [4, 0]])
-def test_mask_worker_leaves_unconstrained_rows_bit_identical(compiler, worker, hf_tokenizer, rows):
+def test_mask_worker_leaves_unconstrained_rows_bit_identical(compiler, worker, hf_tokenizer, rows, dtype):
     batch = 5
-    logits = torch.randn(batch, compiler.vocab_size, generator=torch.Generator().manual_seed(7))  # (B, V)
+    logits = torch.randn(batch, compiler.vocab_size, generator=torch.Generator().manual_seed(7)).to(dtype)  # (B, V)
     before = logits.clone()
     matchers = [compiler.new_matcher(SamplingParams(json_schema=SCHEMAS[0])), compiler.new_matcher(SamplingParams(regex="ab+"))]
-    matchers[0].replay(hf_tokenizer.encode('{"name": "').ids)
+    matchers[0].replay(hf_tokenizer.encode('{"name": "').ids)  # inside a string: most tokens allowed
     worker.submit(list(zip(rows, matchers)))
     worker.apply(logits)
     for row in range(batch):

@@ -7,6 +7,7 @@ import torch
 
 from quill.config import ModelConfig
 from quill.engine.block_manager import BlockManager
+from quill.kernels import native
 from quill.engine.kv_cache import KVCache
 from quill.engine.model_runner import ModelRunner
 from quill.engine.scheduler import ScheduledSeq
@@ -31,17 +32,22 @@ def build_quill(hf_model, block_size=4, num_blocks=64):
 
 
 def run_chunk(runner, bm, seq, start, n):
+    """One sequence's chunk through runner.forward (decodes take the fused C path when built)."""
     assert bm.allocate(seq, n)
-    ids, pos, meta, _ = runner.prepare([ScheduledSeq(seq, start, n)])
-    hidden = runner.model(ids, pos, runner.kv_cache.layers, meta)
+    hidden, _ = runner.forward([ScheduledSeq(seq, start, n)])
     seq.num_computed_tokens = start + n
     return runner.model.compute_logits(hidden)  # (n, V)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefill_and_decode_match_transformers(kind):
+def test_prefill_and_decode_match_transformers(kind, fused):
     hf = make_hf_model(kind)
     cfg, runner, bm = build_quill(hf)
+    if fused:
+        assert runner.fused is not None or native.load() is None
+    else:
+        runner.fused = None
     assert cfg.tie_word_embeddings == (kind == "llama3-tied")
     torch.manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()  # crosses several 4-token blocks
@@ -84,8 +90,8 @@ def test_batched_decode_matches_single():
         run_chunk(runner, bm, s, 0, s.num_prompt_tokens - 1)
     for s in seqs:
         assert bm.allocate(s, 1)
-    ids, pos, meta, _ = runner.prepare([ScheduledSeq(s, s.num_prompt_tokens - 1, 1) for s in seqs])
-    batched = runner.model.compute_logits(runner.model(ids, pos, runner.kv_cache.layers, meta))
+    hidden, _ = runner.forward([ScheduledSeq(s, s.num_prompt_tokens - 1, 1) for s in seqs])
+    batched = runner.model.compute_logits(hidden)
     with torch.no_grad():
         refs = torch.cat([hf(torch.tensor([list(s.prompt_token_ids)])).logits[0, -1:] for s in seqs])
     assert (batched - refs).abs().max().item() < 1e-4

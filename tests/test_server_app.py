@@ -11,7 +11,7 @@ import pytest
 
 from fake_engine import GREEDY_TEXT, FakeEngine
 from quill.server.app import create_app
-from server_utils import ThreadServer, metric_value, post_then_close, read_sse_then_close, wait_until
+from server_utils import ThreadServer, metric_value
 
 MODEL = "fake-model"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -250,3 +250,32 @@ def test_engine_failure_mid_stream_is_an_error_event(live):
     assert events[-1] == "[DONE]"
     assert "error" in events[-2] and events[-2]["error"]["message"]
     assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_stream_n_2_every_choice_opens_and_finishes(live):
+    body = {"model": MODEL, "messages": HELLO, "temperature": 1.0, "seed": 5, "n": 2, "max_tokens": 4, "stream": True}
+    events = sse_events(live.url + "/v1/chat/completions", body)
+    opening = [e["choices"][0] for e in events[:2]]
+    assert [c["index"] for c in opening] == [0, 1] and all(c["delta"]["role"] == "assistant" for c in opening)
+    finishes = {e["choices"][0]["index"]: e["choices"][0]["finish_reason"] for e in events[2:-1] if e["choices"][0]["finish_reason"]}
+    assert finishes == {0: "length", 1: "length"}
+    texts = {i: "".join(e["choices"][0]["delta"].get("content", "") for e in events[2:-1] if e["choices"][0]["index"] == i) for i in (0, 1)}
+    assert all(len(t) == 4 for t in texts.values())
+
+
+def test_stream_completions_with_echo(live):
+    events = sse_events(live.url + "/v1/completions", {"model": MODEL, "prompt": "Say:", "max_tokens": 3, "temperature": 0, "echo": True, "stream": True})
+    assert events[0]["object"] == "text_completion" and events[0]["choices"][0]["text"] == "Say:"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Say:" + GREEDY_TEXT[:3]
+
+
+def test_curl_style_form_content_type_is_read_as_json(live):
+    body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 2, "temperature": 0})
+    r = httpx.post(live.url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == GREEDY_TEXT[:2]
+
+
+def test_get_one_model(live):
+    assert httpx.get(live.url + f"/v1/models/{MODEL}").json()["id"] == MODEL
+    r = httpx.get(live.url + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

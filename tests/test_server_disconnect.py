@@ -80,3 +80,56 @@ def test_finished_requests_are_not_aborted(live):
     assert wait_until(lambda: idle(live.engine))
     assert live.engine.aborted == {} and aborts(live) == 0
     assert httpx.get(live.url + "/v1/stats").json()["in_flight"] == 0
+
+
+def _draining_server(engine, drain_timeout):
+    import signal as _signal
+
+    import uvicorn
+
+    from quill.server.runner import DrainingServer
+    from server_utils import free_port
+
+    app = create_app(engine, MODEL, static_dir=None)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1)
+    server = DrainingServer(config, app.state.quill, drain_timeout)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, timeout=10)
+    return server, thread, f"http://127.0.0.1:{port}", lambda: server.handle_exit(_signal.SIGTERM, None)
+
+
+def test_sigterm_drains_in_flight_then_exits():
+    engine = FakeEngine(token_delay=0.01)
+    server, thread, url, sigterm = _draining_server(engine, drain_timeout=30)
+    result = {}
+    body = {**LONG, "max_tokens": 60, "stream": True}
+    worker = threading.Thread(target=lambda: result.update(events=read_sse_then_close(url + CHAT, body, 10_000)))
+    worker.start()
+    assert wait_until(lambda: engine.stats()["running"] == 1)
+    sigterm()
+    assert httpx.get(url + "/health").status_code == 503
+    refused = httpx.post(url + CHAT, json={**LONG, "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    worker.join(timeout=10)
+    assert result["events"][-1]["choices"][0]["finish_reason"] == "length"  # it finished, not cut off
+    thread.join(timeout=10)
+    assert not thread.is_alive() and engine.aborted == {}
+
+
+def test_drain_timeout_aborts_what_is_left():
+    engine = FakeEngine(token_delay=0.01)
+    server, thread, url, sigterm = _draining_server(engine, drain_timeout=0.3)
+    hang_up = threading.Event()
+    worker = threading.Thread(target=post_then_close, args=(int(url.rsplit(":", 1)[1]), CHAT, {**LONG, "stream": True}),
+                              kwargs={"until": hang_up}, daemon=True)
+    worker.start()
+    assert wait_until(lambda: engine.stats()["running"] == 1)
+    sigterm()
+    thread.join(timeout=10)
+    hang_up.set()
+    assert not thread.is_alive()
+    # The server closed the request itself (the fake engine's loop is gone with the server's, so
+    # the abort call is what shows; the real engine runs it on its own thread).
+    assert len(engine.abort_calls) >= 1 and server.state.in_flight == 0

@@ -27,7 +27,7 @@ ABORT_DEADLINE_S = 2.0  # the issue's bound: client gone -> aborted and blocks f
 def abort_deadline(server) -> float:
     """2 s, or three mean engine steps when this (shared, loaded) machine makes one step that slow:
     an abort lands between steps, so the step in flight always finishes first."""
-    engine = httpx.get(server.url + "/v1/stats", timeout=10).json()["engine"]
+    engine = httpx.get(server.url + "/v1/stats", headers=server.headers, timeout=10).json()["engine"]
     steps = max(engine.get("num_steps") or 0, 1)
     mean_step = ((engine.get("step_prefill_seconds") or 0.0) + (engine.get("step_decode_seconds") or 0.0)) / steps
     return max(ABORT_DEADLINE_S, 3.0 * mean_step)
@@ -44,6 +44,7 @@ class ServeProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[1])
         self.health_seen: list[int] = []
+        self.headers: dict = {}  # sent to /v1/stats (behind --api-key when set)
 
     def wait_ready(self, timeout: float = 300.0) -> "ServeProcess":
         deadline = time.monotonic() + timeout
@@ -260,7 +261,7 @@ def test_small_server_key_queue_and_sigterm_drain(tmp_path):
                         "--kv-cache-memory", "32MiB", "--max-num-batched-tokens", "32", "--drain-timeout", "60")
     try:
         proc.wait_ready()
-        auth = {"Authorization": "Bearer sekret"}
+        auth = proc.headers = {"Authorization": "Bearer sekret"}
         url = proc.url + "/v1/chat/completions"
         long = {"model": MODEL, "messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
         assert httpx.post(url, json=long).status_code == 401
@@ -270,13 +271,15 @@ def test_small_server_key_queue_and_sigterm_drain(tmp_path):
         holder.start()
         assert wait_until(lambda: metric_value(proc.metrics(), "quill_requests_running") == 1, timeout=120)
         # The one waiting slot: this request queues, then its client hangs up.
+        hang_up = threading.Event()
         queued = threading.Thread(target=post_then_close, args=(proc.port, "/v1/chat/completions", {**long, "stream": False}),
-                                  kwargs={"wait_s": 1.0, "headers": auth})
+                                  kwargs={"until": hang_up, "headers": auth})
         queued.start()
-        assert wait_until(lambda: metric_value(proc.metrics(), "quill_requests_waiting") == 1, timeout=5)
+        assert wait_until(lambda: metric_value(proc.metrics(), "quill_requests_waiting") == 1, timeout=60)
         shed = httpx.post(url, json={**long, "stream": False}, headers=auth)
         assert shed.status_code in (429, 503) and int(shed.headers["Retry-After"]) >= 1
         assert shed.json()["error"]["code"] == "queue_full"
+        hang_up.set()
         queued.join()
         assert wait_until(lambda: metric_value(proc.metrics(), "quill_requests_waiting") == 0, timeout=abort_deadline(proc))
         release.set()

@@ -14,8 +14,7 @@ def _logits_for(engine, seq: Sequence, start: int, n: int) -> torch.Tensor:
     runner = engine.runner
     if not engine.block_manager.allocate(seq, n):
         raise RuntimeError("not enough KV blocks for the consistency check")
-    ids, positions, meta, _ = runner.prepare([ScheduledSeq(seq, start, n)])
-    hidden = runner.model(ids, positions, engine.kv_cache.layers, meta)  # (n, H)
+    hidden, _ = runner.forward([ScheduledSeq(seq, start, n)])  # (n, H): decodes take the fused path
     seq.num_computed_tokens = start + n
     return runner.model.compute_logits(hidden)
 

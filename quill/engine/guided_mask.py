@@ -51,16 +51,29 @@ def _flat_index(row_ids: np.ndarray, selected: np.ndarray, vocab_size: int) -> n
     return row_ids[local // vocab_size] * vocab_size + local % vocab_size
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
 def _apply_result(logits: torch.Tensor, result: _Result) -> None:
     """logits: (B, V) contiguous; -inf everywhere result forbids."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+        # numpy stays on this thread; a torch op over a whole row enters an OpenMP region,
+        # which can stall for milliseconds when the forward's threads hold the cores.
+        flat = logits.detach().numpy().reshape(-1)
+        flat[result.ban_index.numpy()] = -np.inf
+        if result.keep_rows:
+            keep_index = result.keep_index.numpy()
+            kept = flat[keep_index]
+            logits.detach().numpy()[result.keep_rows] = -np.inf
+            flat[keep_index] = kept
+        return
     flat = logits.view(-1)
     if result.ban_index.numel():
         flat.index_fill_(0, result.ban_index.to(logits.device, non_blocking=True), float("-inf"))
     if result.keep_rows:
         keep_index = result.keep_index.to(logits.device, non_blocking=True)
         kept = flat.index_select(0, keep_index)
-        for row in result.keep_rows:
-            logits[row].fill_(float("-inf"))
+        logits[result.keep_rows] = float("-inf")
         flat.index_copy_(0, keep_index, kept)
 
 

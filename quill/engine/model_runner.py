@@ -37,6 +37,10 @@ class ModelRunner:
         self.guided = None  # quill.engine.guided.MaskWorker, set by the engine when constraints are used
         self.last_logits: torch.Tensor | None = None  # (B, V) kept only when keep_logits is set (trace)
         self.keep_logits = False
+        from quill.kernels.fused_decode import FusedDecoder
+
+        fused = FusedDecoder(model, kv_cache.layers) if self.device.type == "cpu" else None
+        self.fused = fused if fused is not None and fused.available else None
 
     # ---- batch construction -------------------------------------------------------------
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
@@ -112,12 +116,41 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
 
+    def _fused_inputs(self, items: list[ScheduledSeq]):
+        """Decode rows for the fused path: ids, positions, new slots, padded context slots, lengths."""
+        ctx = [self._slots(item.seq, 0, item.start + 1) for item in items]
+        lmax = max(len(c) for c in ctx)
+        padded = np.empty((len(items), lmax), dtype=np.int64)
+        for i, c in enumerate(ctx):
+            padded[i, : len(c)] = c
+            padded[i, len(c) :] = c[-1]
+        ids = torch.tensor([item.seq.token_ids_slice(item.start, item.start + 1)[0] for item in items])
+        positions = torch.tensor([item.start for item in items], dtype=torch.long)
+        new_slots = torch.from_numpy(np.array([c[-1] for c in ctx], dtype=np.int64))
+        lens = torch.tensor([len(c) for c in ctx], dtype=torch.long)
+        return ids, positions, new_slots, torch.from_numpy(padded), lens
+
+    def forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+        """-> hidden (T, H) for every scheduled row, and the rows whose logits pick a token.
+
+        Running decodes lead the batch; with the fused kernel they run apart from the prefill
+        rows, so their arithmetic never depends on what else shares the step."""
+        num_fused = _leading_decodes(scheduled) if self.fused is not None else 0
+        parts, sample_rows = [], list(range(num_fused))
+        if num_fused:
+            parts.append(self.fused.forward(*self._fused_inputs(scheduled[:num_fused])))
+        if len(scheduled) > num_fused:
+            input_ids, positions, meta, rows = self.prepare(scheduled[num_fused:])
+            parts.append(self.model(input_ids, positions, self.kv_cache.layers, meta))
+            sample_rows += [num_fused + r for r in rows]
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return hidden, sample_rows
+
     def execute(self, out: SchedulerOutput) -> StepResult:
-        input_ids, positions, meta, sample_rows = self.prepare(out.scheduled)
         sampling = [item.seq for item in out.scheduled if item.samples]
         if self.guided is not None:
             self.guided.submit(sampling)  # masks for this step's rows, computed during the forward
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (T, H)
+        hidden, sample_rows = self.forward(out.scheduled)  # (T, H)
         if not sampling:
             return StepResult([])
         logits = self.model.compute_logits(hidden[sample_rows])  # (B, V)

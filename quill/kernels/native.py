@@ -15,7 +15,7 @@ from pathlib import Path
 
 logger = logging.getLogger("quill.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "quant_gemv.c"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_gemv.c", "decode_layer.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
 
@@ -42,9 +42,9 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[:500]}")
+            raise RuntimeError(f"compiling the kernels failed: {proc.stderr.strip()[:500]}")
         os.replace(out, target)  # atomic: concurrent builders never load a half-written file
 
 
@@ -55,7 +55,7 @@ def load() -> ctypes.CDLL | None:
         return None
     import torch  # noqa: F401  -- load torch's libgomp first so the kernels share its OpenMP pool
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"quill_kernels_{digest}.so"
     try:
         if not target.exists():
@@ -70,6 +70,8 @@ def load() -> ctypes.CDLL | None:
     for name in ("quill_dequant_q4", "quill_dequant_q8"):
         getattr(lib, name).argtypes = [P, P, P, P, I, I]
         getattr(lib, name).restype = None
+    lib.quill_decode_layer.argtypes = [P, P, P, P]
+    lib.quill_decode_layer.restype = None
     lib.quill_read_sum.argtypes = [P, ctypes.c_long]
     lib.quill_read_sum.restype = ctypes.c_double
     return lib

@@ -75,9 +75,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
-        return bad_request(f"request body is not valid JSON: {detail}", code="invalid_json")
+        where = f" at character {loc[0]}" if loc and loc[0].isdigit() else ""
+        return bad_request(f"request body is not valid JSON: {detail}{where}", code="invalid_json")
     # Union members add their type name to the location (e.g. content.str); keep the field path.
     param = ".".join(p for p in loc if not _is_type_tag(p)) or None
+    if param == "prompt":
+        return bad_request(
+            f"prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists (got {_short(first.get('input'))})",
+            param="prompt",
+        )
     value = first.get("input")
     shown = "" if isinstance(value, dict) or value is None else f" (got {_short(value)})"
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""

@@ -49,7 +49,7 @@ class GuardMiddleware:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
-        return await self.app(scope, _replay(b"".join(chunks), receive), send)
+        return await self.app(_as_json(scope), _replay(b"".join(chunks), receive), send)
 
     async def _refuse(self, scope, receive, send, err: APIError, body_pending: bool = True):
         self.state.metrics.count_error(err.status, err.code)
@@ -74,6 +74,18 @@ async def _discard_body(receive, limit: int) -> None:
 
 def _too_large(what: str, limit: int) -> APIError:
     return APIError(413, f"{what} the limit of {limit:,} bytes (--max-body-size)", code="request_too_large")
+
+
+_NOT_JSON_TYPES = ("application/x-www-form-urlencoded", "text/plain", "")
+
+
+def _as_json(scope):
+    """Treat a body sent as form data or plain text (curl -d's default) as the JSON it is."""
+    content_type = (_header(scope, b"content-type") or "").split(";", 1)[0].strip().lower()
+    if content_type not in _NOT_JSON_TYPES:
+        return scope
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
 def _header(scope, name: bytes) -> str | None:

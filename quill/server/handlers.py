@@ -134,8 +134,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state)
     ids = encode_chat(engine, template_messages(body.messages))
     max_tokens = resolve_max_tokens(body, len(ids), engine.max_model_len, None, "messages")
     params = to_sampling_params(body, max_tokens, engine.tokenizer.vocab_size)
-    jobs = [Job(f"chatcmpl-{uuid.uuid4().hex}", ids, None)]
-    return await _generate(request, state, engine, body, "chat", jobs, params, echo=None)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    jobs = [Job(response_id, ids, None)]
+    return await _generate(request, state, engine, body, "chat", response_id, jobs, params, echo=None)
 
 
 async def completions(request: Request, body: CompletionRequest, state) -> Response:
@@ -149,16 +150,17 @@ async def completions(request: Request, body: CompletionRequest, state) -> Respo
     if len(set(budgets)) > 1:  # one SamplingParams for the group: the tightest default wins
         budgets = [min(budgets)]
     params = to_sampling_params(body, budgets[0], engine.tokenizer.vocab_size)
-    base = f"cmpl-{uuid.uuid4().hex}"
-    jobs = [Job(base if len(prompts) == 1 else f"{base}-{i}", ids, text) for i, (ids, text) in enumerate(prompts)]
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    jobs = [Job(response_id if len(prompts) == 1 else f"{response_id}-{i}", ids, text) for i, (ids, text) in enumerate(prompts)]
     echo = [text for _, text in prompts] if body.echo else None
-    return await _generate(request, state, engine, body, "completion", jobs, params, echo=echo)
+    return await _generate(request, state, engine, body, "completion", response_id, jobs, params, echo=echo)
 
 
-async def _generate(request, state, engine, body, kind, jobs, params, echo) -> Response:
+async def _generate(request, state, engine, body, kind, response_id, jobs, params, echo) -> Response:
+    """Run the jobs; answer one JSON body, or hand the group to an SSE response."""
     acc = Accumulator(
         kind=kind,
-        response_id=jobs[0].request_id.rsplit("-", 1)[0] if len(jobs) > 1 else jobs[0].request_id,
+        response_id=response_id,
         model=body.model or state.served_model_name,
         created=int(time.time()),
         n=params.n,
@@ -176,8 +178,10 @@ async def _generate(request, state, engine, body, kind, jobs, params, echo) -> R
         nonlocal closed
         if not closed:
             closed = True
-            await group.aclose()
-            state.end()
+            try:
+                await group.aclose()
+            finally:
+                state.end()
 
     handed_off = False  # once the SSE response owns the group, it closes it
     try:

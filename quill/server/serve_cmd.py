@@ -54,26 +54,33 @@ def _nonnegative_float(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or model directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, metavar="PATH", help="GGUF file or model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; 0.0.0.0 exposes it)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("QUILL_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/* (env QUILL_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    p.add_argument("--kv-cache-memory", type=_size_arg, default=None, help="KV cache budget, e.g. 2GiB (default: derived from free RAM)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="token budget per engine step")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("QUILL_API_KEY"), metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (env QUILL_API_KEY)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME", help="the model id clients send (default: the model's name)")
+    p.add_argument("--kv-cache-memory", type=_size_arg, default=None, metavar="SIZE", help="KV cache budget, e.g. 2GiB (default: derived from free RAM)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N", help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N", help="token budget per engine step")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    p.add_argument("--max-waiting", type=_positive_int, default=None, help="refuse (503 + Retry-After) beyond this many queued requests")
-    p.add_argument("--drain-timeout", type=_nonnegative_float, default=30.0, help="seconds to let in-flight requests finish on SIGTERM")
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the engine")
-    p.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-waiting", type=_positive_int, default=None, metavar="N", help="refuse (503 + Retry-After) beyond this many queued requests")
+    p.add_argument("--drain-timeout", type=_nonnegative_float, default=30.0, metavar="SECONDS", help="on SIGTERM, how long in-flight requests may finish (default 30)")
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads for the engine (default: physical cores)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS", help="context length (default: the model's)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    p.add_argument("--max-body-size", type=_size_arg, default=4 * 1024 * 1024, help="largest request body (default 4MiB)")
+    p.add_argument("--max-body-size", type=_size_arg, default=4 * 1024 * 1024, metavar="SIZE", help="largest request body (default 4MiB)")
     p.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
 
 
+DESCRIPTION = (
+    "Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
+    "/v1/models, plus /health, /metrics (Prometheus), /tokenize and /detokenize. "
+    "Binds to 127.0.0.1 unless --host says otherwise."
+)
+
+
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server", description=__doc__)
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server", description=DESCRIPTION)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -123,7 +130,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="quill serve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="quill serve", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

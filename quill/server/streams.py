@@ -82,11 +82,12 @@ class RequestGroup:
         if self._closed:
             return
         self._closed = True
+        unfinished = [job.request_id for i, job in enumerate(self.jobs) if i not in self._finished]
+        for task in self._tasks:
+            task.cancel()
+        # Aborts first: they only post a command, so they happen even if this task is being
+        # cancelled itself (uvicorn's shutdown cancels with asyncio, which a shield cannot stop).
         with anyio.CancelScope(shield=True):
-            unfinished = [job.request_id for i, job in enumerate(self.jobs) if i not in self._finished]
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
             for request_id in unfinished:
                 try:
                     await self.engine.abort(request_id)
@@ -94,6 +95,7 @@ class RequestGroup:
                     logger.debug("abort(%s) failed", request_id, exc_info=True)
             if unfinished:
                 logger.info("aborted %s (client gone or stream closed)", ", ".join(unfinished))
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def wait_for_disconnect(receive) -> None:
@@ -152,5 +154,7 @@ class SSEResponse(StreamingResponse):
                 group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self._on_close()
+                try:
+                    await self.body_iterator.aclose()
+                finally:
+                    await self._on_close()

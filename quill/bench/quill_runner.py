@@ -1,0 +1,71 @@
+"""quill's side of `bench latency`: prefill and decode timed through the real engine step."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from quill.config import CacheConfig, EngineConfig, SchedulerConfig
+from quill.engine.engine import LLMEngine
+from quill.sampling_params import SamplingParams
+
+_TEXT = ("The history of computing is a story of people, machines and ideas. Engineers built "
+         "faster circuits, wrote better programs and taught the machines to read and write. ")
+
+
+class QuillRunner:
+    """An engine with room for `max_batch` sequences of `max_len` tokens, prefix cache off."""
+
+    def __init__(self, model: str | None, threads: int | None, max_len: int, max_batch: int):
+        blocks = max_batch * (-(-(max_len + 64) // 16)) + 8
+        cfg = EngineConfig(
+            model=model, threads=threads, max_model_len=None,
+            cache=CacheConfig(block_size=16, enable_prefix_caching=False, num_blocks_override=blocks),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max(max_batch, 16)),
+        )
+        self.engine = LLMEngine(cfg)
+        self.threads = self.engine.threads
+        self.model_name = self.engine.model_name
+        self.model_path = self.engine.loaded.path
+        self.weight_bytes = self.engine.loaded.model.resident_bytes()
+        self.kv_bytes_per_token = self.engine.kv_cache.bytes_per_token
+        self._ids = 0
+
+    def sample_tokens(self, n: int) -> list[int]:
+        ids = self.engine.tokenizer.encode(_TEXT * (n // 20 + 2), add_special_tokens=False)
+        return ids[:n]
+
+    def _add(self, tokens: list[int], max_tokens: int) -> str:
+        self._ids += 1
+        rid = f"bench-{self._ids}"
+        self.engine.add_request(rid, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        return rid
+
+    def _drain(self) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        self.engine.step()
+
+    def prefill_tps(self, tokens: list[int], repeats: int) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first run warms buffers
+            self._add(tokens, 1)
+            t0 = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - t0)
+            self._drain()
+        return len(tokens) / statistics.median(times[1:])
+
+    def decode_tps(self, tokens: list[int], batch: int, steps: int, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            for _ in range(batch):
+                self._add(tokens, steps + 4)
+            while any(s.num_output_tokens == 0 for s in self.engine.scheduler.running) or self.engine.scheduler.waiting:
+                self.engine.step()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self.engine.step()
+            times.append(time.perf_counter() - t0)
+            self._drain()
+        return batch * steps / statistics.median(times)

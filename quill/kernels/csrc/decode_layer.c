@@ -1,0 +1,146 @@
+/* One decoder layer for B decode rows, fused: the whole layer is one call from Python.
+ *
+ *   x += o_proj(attention(rope(qkv(rmsnorm(x)))))      K/V of the new token written first
+ *   x += down(silu(gate) * up)(rmsnorm(x))
+ *
+ * Every row is computed with the same sequence of operations whatever B is, so a
+ * sequence's output does not depend on what else is in the batch (batch invariance).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+void quill_gemv_q4(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int);
+void quill_gemv_q8(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int);
+
+typedef struct {
+    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix) */
+    int rows, groups;
+    const void *codes;
+    const float *scale, *mins, *bias;
+} QWeight;
+
+typedef struct {
+    const float *norm1, *norm2;
+    QWeight qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* (slots, kv_heads, head_dim) */
+} LayerWeights;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    const float *cos, *sin; /* (positions, head_dim) */
+} ModelShape;
+
+typedef struct {
+    int batch, max_ctx;
+    const int64_t *positions;   /* (B,) */
+    const int64_t *new_slots;   /* (B,) */
+    const int64_t *ctx_slots;   /* (B, max_ctx) */
+    const int64_t *ctx_lens;    /* (B,) */
+    float *h, *qkv, *attn, *gu, *act, *tmp, *scores, *sums; /* scratch */
+} StepArgs;
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum8(acc);
+}
+
+static void gemv(const QWeight *w, const float *x, float *sums, float *out, int B) {
+    int N = w->rows, K = w->groups * 32;
+    if (w->kind == 0) quill_gemv_q4(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B);
+    else if (w->kind == 1) quill_gemv_q8(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B);
+    else {
+        const float *W = (const float *)w->codes;
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++)
+            for (int b = 0; b < B; b++) out[(long)b * N + n] = dot(W + (long)n * K, x + (long)b * K, K);
+    }
+    if (w->bias)
+        for (int b = 0; b < B; b++)
+            for (int n = 0; n < N; n++) out[(long)b * N + n] += w->bias[n];
+}
+
+static void rmsnorm(const float *x, const float *w, float *out, int B, int H, float eps) {
+    for (int b = 0; b < B; b++) {
+        const float *xb = x + (long)b * H;
+        float ss = 0.f;
+        for (int i = 0; i < H; i++) ss += xb[i] * xb[i];
+        float r = 1.0f / sqrtf(ss / H + eps);
+        for (int i = 0; i < H; i++) out[(long)b * H + i] = xb[i] * r * w[i];
+    }
+}
+
+static void rope(float *v, const float *cos, const float *sin, int hd) { /* rotate-half layout */
+    int half = hd / 2;
+    for (int i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs *s) {
+    const int hd = m->head_dim, nh = m->heads, nkv = m->kv_heads, group = nh / nkv;
+    const int qkv_n = (nh + 2 * nkv) * hd;
+#pragma omp parallel for schedule(static) collapse(2)
+    for (int b = 0; b < s->batch; b++)
+        for (int h = 0; h < nh; h++) {
+            const float *q = s->qkv + (long)b * qkv_n + h * hd;
+            const int kvh = h / group;
+            const long len = s->ctx_lens[b];
+            const int64_t *slots = s->ctx_slots + (long)b * s->max_ctx;
+            float *sc = s->scores + ((long)b * nh + h) * s->max_ctx;
+            float mx = -INFINITY;
+            for (long l = 0; l < len; l++) {
+                sc[l] = dot(q, L->k_cache + (slots[l] * nkv + kvh) * hd, hd) * m->scale;
+                if (sc[l] > mx) mx = sc[l];
+            }
+            float total = 0.f;
+            for (long l = 0; l < len; l++) { sc[l] = expf(sc[l] - mx); total += sc[l]; }
+            float *out = s->attn + (long)b * nh * hd + h * hd;
+            for (int i = 0; i < hd; i += 8) {
+                __m256 acc = _mm256_setzero_ps();
+                for (long l = 0; l < len; l++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[l]),
+                                          _mm256_loadu_ps(L->v_cache + (slots[l] * nkv + kvh) * hd + i), acc);
+                _mm256_storeu_ps(out + i, _mm256_mul_ps(acc, _mm256_set1_ps(1.0f / total)));
+            }
+        }
+}
+
+void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepArgs *s, float *x) {
+    const int B = s->batch, H = m->hidden, hd = m->head_dim, nh = m->heads, nkv = m->kv_heads;
+    const int qkv_n = (nh + 2 * nkv) * hd, I = m->inter;
+    rmsnorm(x, L->norm1, s->h, B, H, m->eps);
+    gemv(&L->qkv, s->h, s->sums, s->qkv, B);
+    for (int b = 0; b < B; b++) {
+        float *row = s->qkv + (long)b * qkv_n;
+        const float *c = m->cos + s->positions[b] * hd, *sn = m->sin + s->positions[b] * hd;
+        for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, c, sn, hd); /* q heads then k heads */
+        const float *k = row + nh * hd, *v = k + nkv * hd;
+        float *kd = L->k_cache + s->new_slots[b] * nkv * hd, *vd = L->v_cache + s->new_slots[b] * nkv * hd;
+        for (int i = 0; i < nkv * hd; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+    }
+    attention(m, L, s);
+    gemv(&L->o, s->attn, s->sums, s->tmp, B);
+    for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
+    rmsnorm(x, L->norm2, s->h, B, H, m->eps);
+    gemv(&L->gate_up, s->h, s->sums, s->gu, B);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < I; i++) {
+            float g = s->gu[(long)b * 2 * I + i], u = s->gu[(long)b * 2 * I + I + i];
+            s->act[(long)b * I + i] = g / (1.0f + expf(-g)) * u;
+        }
+    gemv(&L->down, s->act, s->sums, s->tmp, B);
+    for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
+}

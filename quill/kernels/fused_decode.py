@@ -1,0 +1,112 @@
+"""Decode rows through one fused C call per layer (quill_decode_layer), reading the paged cache in place.
+
+Per step Python does the embedding lookup, 30 calls and the final norm; everything else
+(RMSNorm, QKV, RoPE, K/V write, attention, O, SwiGLU, residuals) happens in C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from quill.kernels import native
+from quill.kernels.linear import DenseLinear
+from quill.kernels.packed import PackedLinear
+
+P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class QWeight(ctypes.Structure):
+    _fields_ = [("kind", I), ("rows", I), ("groups", I), ("codes", P), ("scale", P), ("mins", P), ("bias", P)]
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [("norm1", P), ("norm2", P), ("qkv", QWeight), ("o", QWeight), ("gate_up", QWeight),
+                ("down", QWeight), ("k_cache", P), ("v_cache", P)]
+
+
+class ModelShape(ctypes.Structure):
+    _fields_ = [("hidden", I), ("heads", I), ("kv_heads", I), ("head_dim", I), ("inter", I), ("eps", F),
+                ("scale", F), ("cos", P), ("sin", P)]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [("batch", I), ("max_ctx", I), ("positions", P), ("new_slots", P), ("ctx_slots", P),
+                ("ctx_lens", P), ("h", P), ("qkv", P), ("attn", P), ("gu", P), ("act", P), ("tmp", P),
+                ("scores", P), ("sums", P)]
+
+
+def _qweight(linear, keep: list) -> QWeight | None:
+    bias = getattr(linear, "bias", None)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(linear, PackedLinear):
+        w = linear.weight
+        keep.append(w)
+        return QWeight(0 if w.kind == "q4" else 1, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(),
+                       w.mins.data_ptr(), bias_ptr)
+    if isinstance(linear, DenseLinear) and linear.in_features % 32 == 0 and linear.weight.dtype == torch.float32:
+        keep.append(linear.weight)
+        return QWeight(2, linear.out_features, linear.in_features // 32, linear.weight.data_ptr(), None, None, bias_ptr)
+    return None
+
+
+class FusedDecoder:
+    """Built once per engine over the model and its KV cache; `available` says whether it applies."""
+
+    def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.lib = native.load()
+        self.model = model
+        cfg = model.config
+        self.cfg = cfg
+        self._keep: list = []
+        self.layers = self._build_layers(model, kv_layers) if self.lib is not None else None
+        ok_shape = cfg.head_dim % 8 == 0 and cfg.num_heads % cfg.num_kv_heads == 0 and not cfg.sliding_window
+        self.available = self.layers is not None and ok_shape
+        if self.available:
+            rope = model.rope
+            self.shape = ModelShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+                                    rope.cos.data_ptr(), rope.sin.data_ptr())
+            self._scratch: dict[str, torch.Tensor] = {}
+
+    def _build_layers(self, model, kv_layers):
+        layers = []
+        for layer, (k, v) in zip(model.layers, kv_layers):
+            a, m = layer.self_attn, layer.mlp
+            ws = [_qweight(x, self._keep) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+            if any(w is None for w in ws) or not (k.is_contiguous() and k.dtype == torch.float32):
+                return None
+            layers.append(LayerWeights(layer.input_layernorm.weight.data_ptr(),
+                                       layer.post_attention_layernorm.weight.data_ptr(), *ws,
+                                       k.data_ptr(), v.data_ptr()))
+        return layers
+
+    def _buf(self, name: str, numel: int) -> torch.Tensor:
+        t = self._scratch.get(name)
+        if t is None or t.numel() < numel:
+            t = torch.empty(max(numel, 1))
+            self._scratch[name] = t
+        return t
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor,
+                ctx_slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions, new_slots, ctx_lens (B,) int64; ctx_slots (B, Lmax) int64 -> hidden (B, H)."""
+        cfg = self.cfg
+        B, lmax = ctx_slots.shape
+        x = self.model.embed_tokens(input_ids).contiguous()  # (B, H)
+        qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+        step = StepArgs(
+            B, lmax, positions.data_ptr(), new_slots.data_ptr(), ctx_slots.data_ptr(), ctx_lens.data_ptr(),
+            self._buf("h", B * cfg.hidden_size).data_ptr(), self._buf("qkv", B * qkv_n).data_ptr(),
+            self._buf("attn", B * cfg.num_heads * cfg.head_dim).data_ptr(),
+            self._buf("gu", B * 2 * cfg.intermediate_size).data_ptr(),
+            self._buf("act", B * cfg.intermediate_size).data_ptr(), self._buf("tmp", B * cfg.hidden_size).data_ptr(),
+            self._buf("scores", B * cfg.num_heads * lmax).data_ptr(), self._buf("sums", B * (widest // 32 + 1)).data_ptr(),
+        )
+        shape_ref, step_ref = ctypes.byref(self.shape), ctypes.byref(step)
+        fn, xp = self.lib.quill_decode_layer, x.data_ptr()
+        for layer in self.layers:
+            fn(shape_ref, ctypes.byref(layer), step_ref, xp)
+        return self.model.norm(x)
