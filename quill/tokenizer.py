@@ -215,6 +215,7 @@ class Tokenizer:
         backend.no_truncation()  # a saved tokenizer.json may carry training-time truncation/padding
         backend.no_padding()
         self._backend = backend
+        self.hf = backend  # the tokenizers.Tokenizer, for grammar engines that index the vocabulary
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self.chat_template = chat_template
         self._added = backend.get_added_tokens_decoder()  # {id: AddedToken}

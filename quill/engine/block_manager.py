@@ -58,6 +58,10 @@ class BlockManager:
         """Cached tokens / queried tokens over all get_computed_blocks calls (0.0 before any)."""
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block holds a registered prefix-cache entry (kept after its sequence frees it)."""
+        return self._pool.blocks[block_id].block_hash is not None
+
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
