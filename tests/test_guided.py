@@ -285,6 +285,23 @@ def test_mask_worker_leaves_unconstrained_rows_bit_identical(compiler, worker, h
         assert torch.isneginf(logits[row][~allowed]).all()
 
 
+def test_parallel_fill_matches_sequential(compiler, worker, hf_tokenizer):
+    matchers = [compiler.new_matcher(SamplingParams(json_schema=schema)) for schema in SCHEMAS]
+    matchers[0].replay(hf_tokenizer.encode('{"name": "Bo", "age": 4').ids)
+    parallel = MaskWorker(num_threads=2)
+    try:
+        results = []
+        for mask_worker in (worker, parallel):
+            logits = torch.zeros(len(matchers), compiler.vocab_size)  # (B, V)
+            mask_worker.submit(list(enumerate(matchers)))
+            mask_worker.apply(logits)
+            results.append(logits)
+        assert torch.equal(results[0], results[1])
+        assert torch.isneginf(results[0]).any(dim=1).all()
+    finally:
+        parallel.close()
+
+
 def test_mask_worker_on_strided_logits(compiler, worker):
     padded = torch.randn(3, compiler.vocab_size + 8, generator=torch.Generator().manual_seed(1))  # (B, V + 8)
     logits = padded[:, : compiler.vocab_size]  # (B, V), not contiguous

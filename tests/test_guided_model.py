@@ -158,7 +158,7 @@ def test_twelve_schemas_three_seeds_validate(llm):
 
 def test_json_object_n_greater_than_one(llm):
     conv = [{"role": "user", "content": "Give a JSON object describing a cat."}]
-    out = llm.chat(conv, SamplingParams(json_object=True, n=3, temperature=0.8, seed=5, max_tokens=64))[0]
+    out = llm.chat(conv, SamplingParams(json_object=True, n=3, temperature=0.8, seed=5, max_tokens=40))[0]
     assert len(out.outputs) == 3
     for completion in out.outputs:
         if completion.finish_reason == "stop":

@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     if args.vs == "llama.cpp":
         from quill.bench.llamacpp_ref import LlamaCppRunner
 
-        ref = LlamaCppRunner(str(quill.model_path), threads, max(batches), max(contexts) + args.decode_steps + 8)
+        ref = LlamaCppRunner(str(quill.model_path), threads, max(batches),
+                             max(prefill + [c + args.decode_steps + 8 for c in contexts]))
         report["llama.cpp"] = _measure(ref, tokens, prefill, batches, contexts, args)
         ref.close()
     _print_report(report, prefill, batches, contexts)

@@ -28,6 +28,7 @@ class LlamaCppRunner:
         cparams.n_batch = 2048
         cparams.n_ubatch = 512
         cparams.n_seq_max = max_seqs
+        cparams.kv_unified = True  # one shared pool, so a single sequence may use more than n_ctx / n_seq_max
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, cparams)

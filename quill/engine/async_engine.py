@@ -80,7 +80,10 @@ class AsyncEngine:
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         if not self._admitting:
             raise AdmissionError("server is shutting down", code="shutting_down", status=503)
-        self.engine.validate(prompt_token_ids, params)  # fail fast, before anything is queued
+        if params.constrained:  # compiling a grammar can take a while: keep it off the event loop
+            await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
+        else:
+            self.engine.validate(prompt_token_ids, params)  # fail fast, before anything is queued
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)

@@ -154,6 +154,7 @@ class LLMEngine:
                 raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting, none fit "
                                    f"({self.block_manager.num_free_blocks} free blocks)")
             return outputs
+        num_prefill, num_decode = sched.num_prefill_tokens, sched.num_decode_tokens  # before tokens are appended
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
         self.scheduler.postprocess(sched)
@@ -164,9 +165,8 @@ class LLMEngine:
             self._accept_token(state, seq, token_id, logprobs, when)
             touched[seq.request_id] = state
         elapsed = time.perf_counter() - t0
-        self.last_step = StepInfo(sched.num_prefill_tokens, sched.num_decode_tokens, elapsed,
-                                  [s.request_id for s in sched.preempted])
-        self.stats.record_step(sched.num_prefill_tokens, sched.num_decode_tokens, elapsed, len(sched.preempted))
+        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted])
+        self.stats.record_step(num_prefill, num_decode, elapsed, len(sched.preempted))
         for state in touched.values():
             outputs.append(self._emit(state))
         return outputs

@@ -77,6 +77,12 @@ def _apply_result(logits: torch.Tensor, result: _Result) -> None:
         flat.index_copy_(0, keep_index, kept)
 
 
+def _default_threads() -> int:
+    """Parallel fills only where cores are plentiful enough to spare some from the forward."""
+    cores = os.cpu_count() or 1
+    return 1 if cores < 16 else min(8, cores // 8)
+
+
 class MaskWorker:
     """Fills next-token bitmasks for constrained rows off the critical path.
 
@@ -91,9 +97,11 @@ class MaskWorker:
 
     def __init__(self, matcher_for: Callable[[Any], GuidedMatcher | None] | None = None, *, num_threads: int | None = None):
         self._matcher_for = matcher_for
-        # llguidance's own pool spreads a batch's matchers over cores; ours only hands off.
-        threads = num_threads or max(1, min(4, (os.cpu_count() or 2) - 1))
-        self._executor = llguidance.LLExecutor(threads)
+        # By default the one worker thread fills the masks in turn: a fill takes ~10 µs, and
+        # llguidance's parallel pool (num_threads > 1) adds threads that fight the forward's
+        # for cores; it pays off only for big constrained batches on many cores.
+        threads = num_threads if num_threads is not None else _default_threads()
+        self._executor = llguidance.LLExecutor(threads) if threads > 1 else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quill-guided-mask")
         self._bitmask = np.empty((0, 0), dtype=np.int32)  # (rows, words), grown on demand
         self._future: Future[_Result] | None = None
@@ -129,7 +137,11 @@ class MaskWorker:
 
     def _compute(self, rows: list[int], ll_pairs: list, vocab_size: int) -> _Result:
         bitmask = self._bitmask[: len(rows)]  # (R, W) int32, contiguous
-        fill_next_token_bitmask_par(self._executor, ll_pairs, bitmask)
+        if self._executor is not None:
+            fill_next_token_bitmask_par(self._executor, ll_pairs, bitmask)
+        else:
+            for matcher, slot in ll_pairs:  # each call drops the GIL while it computes
+                matcher.unsafe_compute_mask_ptr(bitmask[slot].ctypes.data, bitmask[slot].nbytes)
         return _Result(rows, unpack_bitmask(bitmask, vocab_size), vocab_size)
 
     def apply(self, logits: torch.Tensor, _sequences: list | None = None) -> None:
