@@ -72,6 +72,8 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.quill_decode_layer.argtypes = [P, P, P, P]
     lib.quill_decode_layer.restype = None
+    lib.quill_kernel_isa.argtypes = []
+    lib.quill_kernel_isa.restype = ctypes.c_int
     lib.quill_read_sum.argtypes = [P, ctypes.c_long]
     lib.quill_read_sum.restype = ctypes.c_double
     return lib

@@ -13,6 +13,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -84,16 +85,72 @@ static inline __m256 dot32(const __m256 w[4], const float *xg) {
 ROW_KERNEL(row_q4, uint8_t, 16, unpack_q4)
 ROW_KERNEL(row_q8, int8_t, 32, unpack_q8)
 
+/* The same kernels 16 lanes wide, for CPUs with AVX-512 (chosen once at run time; set
+ * QUILL_NO_AVX512=1 to force the AVX2 path). Per item the order is again fixed. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+AVX512 static inline void unpack_q4_512(const uint8_t *src, __m512 w[2]) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)src);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(15))));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15))));
+}
+
+AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)src);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+}
+
+#define TILE512 8
+
+#define ROW_KERNEL_512(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                     \
+    AVX512 static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,  \
+                            const float *xs, float *out, int N, int n, int G, int b0, int nb) {   \
+        __m512 acc[TILE512];                                                                         \
+        float accm[TILE512];                                                                         \
+        for (int t = 0; t < nb; t++) { acc[t] = _mm512_setzero_ps(); accm[t] = 0.f; }             \
+        const long K = (long)G * 32;                                                              \
+        for (int g = 0; g < G; g++) {                                                             \
+            __m512 w[2];                                                                          \
+            UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
+            __m512 s = _mm512_set1_ps(sc[g]);                                                     \
+            for (int t = 0; t < nb; t++) {                                                        \
+                const float *xg = x + (b0 + t) * K + (long)g * 32;                                \
+                __m512 d = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16),                        \
+                                           _mm512_mul_ps(w[0], _mm512_loadu_ps(xg)));             \
+                acc[t] = _mm512_fmadd_ps(s, d, acc[t]);                                           \
+                accm[t] += mn[g] * xs[(long)(b0 + t) * G + g];                                    \
+            }                                                                                     \
+        }                                                                                         \
+        for (int t = 0; t < nb; t++) out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]) + accm[t]; \
+    }
+
+ROW_KERNEL_512(row_q4_512, uint8_t, 16, unpack_q4_512)
+ROW_KERNEL_512(row_q8_512, int8_t, 32, unpack_q8_512)
+
+static int use_avx512(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        const char *off = getenv("QUILL_NO_AVX512");
+        cached = !(off && off[0] == '1') && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    }
+    return cached;
+}
+
+int quill_kernel_isa(void) { return use_avx512() ? 512 : 256; }
+
 /* out (B, N) = x (B, K) @ W.T ; xs is scratch of B*G floats. */
 void quill_gemv_q4(const uint8_t *codes, const float *scale, const float *mins, const float *x, float *xs,
                    float *out, int N, int G, int B) {
     group_sums(x, xs, B, G);
+    const int wide = use_avx512();
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (long)n * G * 16;
-        for (int b0 = 0; b0 < B; b0 += TILE) {
-            int nb = B - b0 < TILE ? B - b0 : TILE;
-            row_q4(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb);
+        const int tile = wide ? TILE512 : TILE;
+        for (int b0 = 0; b0 < B; b0 += tile) {
+            int nb = B - b0 < tile ? B - b0 : tile;
+            (wide ? row_q4_512 : row_q4)(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb);
         }
     }
 }
@@ -101,12 +158,14 @@ void quill_gemv_q4(const uint8_t *codes, const float *scale, const float *mins, 
 void quill_gemv_q8(const int8_t *codes, const float *scale, const float *mins, const float *x, float *xs,
                    float *out, int N, int G, int B) {
     group_sums(x, xs, B, G);
+    const int wide = use_avx512();
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const int8_t *row = codes + (long)n * G * 32;
-        for (int b0 = 0; b0 < B; b0 += TILE) {
-            int nb = B - b0 < TILE ? B - b0 : TILE;
-            row_q8(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb);
+        const int tile = wide ? TILE512 : TILE;
+        for (int b0 = 0; b0 < B; b0 += tile) {
+            int nb = B - b0 < tile ? B - b0 : tile;
+            (wide ? row_q8_512 : row_q8)(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb);
         }
     }
 }
