@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _register_optional(bench_sub, "quill.bench.serve")
     _register_optional(bench_sub, "quill.bench.latency")
+    _register_optional(bench_sub, "quill.bench.structured")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     return parser
 

@@ -142,3 +142,42 @@ def test_n2_completions_share_prompt_blocks(make_llm):
     hits = [c.metrics["cached_tokens"] for c in out.outputs]
     assert hits[0] == 0 and all(h >= 16 * ((len(out.prompt_token_ids) - 1) // 16) for h in hits[1:])
     assert_no_leak(llm)
+
+
+def test_greedy_output_identical_alone_and_in_batch_of_16(make_llm):
+    """Batch invariance end to end: decode rows are reduced the same way whatever shares the step."""
+    llm = make_llm()
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    alone = llm.generate("The three laws of robotics are", params)[0].outputs[0].token_ids
+    others = [f"Question {i}: what is {i} times {i + 1}?" for i in range(15)]
+    batch = llm.generate(["The three laws of robotics are"] + others,
+                         [params] + [SamplingParams(temperature=0, max_tokens=8 + 2 * i) for i in range(15)])
+    assert batch[0].outputs[0].token_ids == alone
+
+
+def test_prompts_file_runs_as_one_batch(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    lines = [
+        {"prompt": "The sky is", "max_tokens": 5, "temperature": 0},
+        {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6, "temperature": 0},
+        {"prompt": "Count: 1, 2,", "max_tokens": 4, "temperature": 0.7, "seed": 3, "n": 2},
+    ]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "quill.cli", "generate", "--kv-cache-memory", "64MiB",
+                           "--prompts-file", str(f)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == 4  # n=2 gives two lines
+    for row in rows:
+        assert row["finish_reason"] in ("stop", "length") and row["output_tokens"] >= 1
+        assert row["prompt_tokens"] > 0 and row["timings"]["ttft_ms"] > 0
+    assert rows[0]["output_tokens"] == 5 and rows[0]["finish_reason"] == "length"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "temperature": -1}\n')
+    proc = subprocess.run([sys.executable, "-m", "quill.cli", "generate", "--kv-cache-memory", "64MiB",
+                           "--prompts-file", str(bad)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "temperature" in proc.stderr

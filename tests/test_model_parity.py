@@ -102,3 +102,49 @@ def test_unsupported_architecture_is_named():
 
     with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM"):
         ModelConfig.from_hf_config({"architectures": ["GPTNeoXForCausalLM"]})
+
+
+def _byte_tokenizer_folder(path, vocab_size):
+    """A byte-level BPE tokenizer.json (no merges) + config files, like a real HF folder."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for name in ("<s>", "</s>"):
+        vocab[name] = len(vocab)
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab["</s>"]}))
+    return vocab["</s>"]
+
+
+def test_hf_folder_end_to_end_matches_transformers(tmp_path):
+    """config.json + safetensors + tokenizer.json + template + generation_config, through LLM()."""
+    import transformers as tf
+
+    from quill.llm import LLM
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    hf = tf.Qwen2ForCausalLM(cfg).float().eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    eos = _byte_tokenizer_folder(tmp_path, cfg.vocab_size)
+    llm = LLM(str(tmp_path), kv_cache_memory=8 << 20)
+    assert eos in llm.engine.eos_token_ids
+    assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).startswith("<s>user: hi")
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    assert out.outputs[0].token_ids == ref

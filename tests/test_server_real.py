@@ -299,3 +299,24 @@ def test_small_server_key_queue_and_sigterm_drain(tmp_path):
         assert proc.proc.wait(timeout=30) == 0
     finally:
         proc.stop()
+
+
+def test_bench_serve_against_real_server(server, tmp_path):
+    """`quill bench serve`: 2 levels x 8 requests against this real server, JSON fields and the PNG."""
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "quill.cli", "bench", "serve", "--base-url", server.url, "--workload",
+         "chat-shared-prefix", "--concurrency", "1,4", "--num-requests", "8", "--max-tokens", "8",
+         "--warmup", "1", "--no-progress", "--json", str(out_json), "--plot", str(out_png)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out_json.read_text())
+    levels = result["servers"][0]["levels"]
+    assert [lv["level"] for lv in levels] == [1, 4]
+    for lv in levels:
+        assert lv["errors"] == 0 and lv["completed"] == 8
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert lv[key]["p50"] > 0 and lv[key]["p99"] >= lv[key]["p50"]
+        assert lv["output_throughput"] > 0 and lv["request_throughput"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

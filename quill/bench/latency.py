@@ -85,12 +85,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(runner, tokens, prefill, batches, contexts, args) -> dict:
-    out = {"prefill_tps": {}, "decode_tps": {}}
+    out = {"prefill_tps": {}, "decode_tps": {}, "step_breakdown": {}}
     for n in prefill:
         out["prefill_tps"][str(n)] = runner.prefill_tps(tokens[:n], args.repeats)
     for ctx in contexts:
         for b in batches:
             out["decode_tps"][f"{b}x{ctx}"] = runner.decode_tps(tokens[:ctx], b, args.decode_steps, args.repeats)
+            breakdown = getattr(runner, "last_breakdown", None)
+            if breakdown:
+                out["step_breakdown"][f"{b}x{ctx}"] = breakdown
     return out
 
 
@@ -112,6 +115,9 @@ def _print_report(r: dict, prefill, batches, contexts) -> None:
             step_bytes = r["weight_bytes"] + b * ctx * r["kv_bytes_per_token"]
             gbs = tps / b * step_bytes / 1e9
             _row(f"decode b={b} ctx={ctx} tok/s", tps, r, "decode_tps", key, has_ref, gbs, gbs / bw)
+    for key, bd in q.get("step_breakdown", {}).items():
+        print(f"quill decode step {key}: {bd['step_ms']:.2f} ms = layers {bd['layers_ms']:.2f} + LM head "
+              f"{bd['lm_head_ms']:.2f} + outside the model {bd['overhead_ms']:.2f} (scheduling, sampling, detokenizing)")
     if len(batches) > 1 and 1 in batches:
         for ctx in contexts:
             top = max(batches)

@@ -58,14 +58,22 @@ class QuillRunner:
 
     def decode_tps(self, tokens: list[int], batch: int, steps: int, repeats: int) -> float:
         times = []
+        self.last_breakdown = None
         for _ in range(repeats):
             for _ in range(batch):
                 self._add(tokens, steps + 4)
             while any(s.num_output_tokens == 0 for s in self.engine.scheduler.running) or self.engine.scheduler.waiting:
                 self.engine.step()
+            ks = self.engine.runner.kernel_seconds
+            before = dict(ks)
             t0 = time.perf_counter()
             for _ in range(steps):
                 self.engine.step()
-            times.append(time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            times.append(elapsed)
+            layers, head = ks["layers"] - before["layers"], ks["lm_head"] - before["lm_head"]
+            self.last_breakdown = {"step_ms": elapsed / steps * 1000, "layers_ms": layers / steps * 1000,
+                                   "lm_head_ms": head / steps * 1000,
+                                   "overhead_ms": (elapsed - layers - head) / steps * 1000}
             self._drain()
         return batch * steps / statistics.median(times)

@@ -54,7 +54,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)))
-        sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
+        # ids past the tokenizer's vocabulary are padding rows of the embedding: never sample them
+        sampler = Sampler(min(self.model_config.vocab_size, self.tokenizer.vocab_size), self.eos_token_ids)
         self.runner = ModelRunner(self.loaded.model, self.model_config, self.kv_cache, sampler, config.device)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, RequestState] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,8 @@ class ModelRunner:
         self.guided = None  # quill.engine.guided.MaskWorker, set by the engine when constraints are used
         self.last_logits: torch.Tensor | None = None  # (B, V) kept only when keep_logits is set (trace)
         self.keep_logits = False
+        # time inside the model (layers incl. batch building, and the LM head); the rest of a step is overhead
+        self.kernel_seconds = {"layers": 0.0, "lm_head": 0.0}
         from quill.kernels.fused_decode import FusedDecoder
 
         fused = FusedDecoder(model, kv_cache.layers) if self.device.type == "cpu" else None
@@ -150,10 +153,14 @@ class ModelRunner:
         sampling = [item.seq for item in out.scheduled if item.samples]
         if self.guided is not None:
             self.guided.submit(sampling)  # masks for this step's rows, computed during the forward
+        t0 = time.perf_counter()
         hidden, sample_rows = self.forward(out.scheduled)  # (T, H)
+        t1 = time.perf_counter()
+        self.kernel_seconds["layers"] += t1 - t0
         if not sampling:
             return StepResult([])
         logits = self.model.compute_logits(hidden[sample_rows])  # (B, V)
+        self.kernel_seconds["lm_head"] += time.perf_counter() - t1
         if self.guided is not None:
             self.guided.apply(logits, sampling)
         if self.keep_logits:
