@@ -136,6 +136,7 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
     for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
     rmsnorm(x, L->norm2, s->h, B, H, m->eps);
     gemv(&L->gate_up, s->h, s->sums, s->gu, B);
+#pragma omp parallel for schedule(static) collapse(2)
     for (int b = 0; b < B; b++)
         for (int i = 0; i < I; i++) {
             float g = s->gu[(long)b * 2 * I + i], u = s->gu[(long)b * 2 * I + I + i];
