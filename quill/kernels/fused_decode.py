@@ -61,7 +61,8 @@ class FusedDecoder:
         self.cfg = cfg
         self._keep: list = []
         self.layers = self._build_layers(model, kv_layers) if self.lib is not None else None
-        ok_shape = cfg.head_dim % 8 == 0 and cfg.num_heads % cfg.num_kv_heads == 0 and not cfg.sliding_window
+        ok_shape = (cfg.head_dim % 8 == 0 and cfg.num_heads % cfg.num_kv_heads == 0 and not cfg.sliding_window
+                    and cfg.num_heads // cfg.num_kv_heads <= 16)  # MAX_GROUP in decode_layer.c
         self.available = self.layers is not None and ok_shape
         if self.available:
             rope = model.rope

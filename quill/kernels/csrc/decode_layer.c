@@ -89,31 +89,45 @@ static void rope(float *v, const float *cos, const float *sin, int hd) { /* rota
     }
 }
 
+#define MAX_GROUP 16
+
+/* One task per (row, KV head): the q heads that share that KV head read each K and V
+ * vector once (grouped-query attention), so the cache is streamed once, not once per q head. */
 static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs *s) {
     const int hd = m->head_dim, nh = m->heads, nkv = m->kv_heads, group = nh / nkv;
     const int qkv_n = (nh + 2 * nkv) * hd;
 #pragma omp parallel for schedule(static) collapse(2)
     for (int b = 0; b < s->batch; b++)
-        for (int h = 0; h < nh; h++) {
-            const float *q = s->qkv + (long)b * qkv_n + h * hd;
-            const int kvh = h / group;
+        for (int kvh = 0; kvh < nkv; kvh++) {
             const long len = s->ctx_lens[b];
             const int64_t *slots = s->ctx_slots + (long)b * s->max_ctx;
-            float *sc = s->scores + ((long)b * nh + h) * s->max_ctx;
-            float mx = -INFINITY;
+            const float *q0 = s->qkv + (long)b * qkv_n + (long)kvh * group * hd;
+            float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
+            float mx[MAX_GROUP], total[MAX_GROUP];
+            for (int g = 0; g < group; g++) { mx[g] = -INFINITY; total[g] = 0.f; }
             for (long l = 0; l < len; l++) {
-                sc[l] = dot(q, L->k_cache + (slots[l] * nkv + kvh) * hd, hd) * m->scale;
-                if (sc[l] > mx) mx = sc[l];
+                const float *k = L->k_cache + (slots[l] * nkv + kvh) * hd;
+                for (int g = 0; g < group; g++) {
+                    float v = dot(q0 + g * hd, k, hd) * m->scale;
+                    sc0[g * s->max_ctx + l] = v;
+                    if (v > mx[g]) mx[g] = v;
+                }
             }
-            float total = 0.f;
-            for (long l = 0; l < len; l++) { sc[l] = expf(sc[l] - mx); total += sc[l]; }
-            float *out = s->attn + (long)b * nh * hd + h * hd;
+            for (int g = 0; g < group; g++) {
+                float *sc = sc0 + g * s->max_ctx;
+                for (long l = 0; l < len; l++) { sc[l] = expf(sc[l] - mx[g]); total[g] += sc[l]; }
+            }
+            float *out0 = s->attn + (long)b * nh * hd + (long)kvh * group * hd;
             for (int i = 0; i < hd; i += 8) {
-                __m256 acc = _mm256_setzero_ps();
-                for (long l = 0; l < len; l++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[l]),
-                                          _mm256_loadu_ps(L->v_cache + (slots[l] * nkv + kvh) * hd + i), acc);
-                _mm256_storeu_ps(out + i, _mm256_mul_ps(acc, _mm256_set1_ps(1.0f / total)));
+                __m256 acc[MAX_GROUP];
+                for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+                for (long l = 0; l < len; l++) {
+                    __m256 v = _mm256_loadu_ps(L->v_cache + (slots[l] * nkv + kvh) * hd + i);
+                    for (int g = 0; g < group; g++)
+                        acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(sc0[g * s->max_ctx + l]), v, acc[g]);
+                }
+                for (int g = 0; g < group; g++)
+                    _mm256_storeu_ps(out0 + g * hd + i, _mm256_mul_ps(acc[g], _mm256_set1_ps(1.0f / total[g])));
             }
         }
 }
