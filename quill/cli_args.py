@@ -7,20 +7,32 @@ import re
 
 from quill.config import CacheConfig, EngineConfig, SchedulerConfig
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)(b?)|b)?\s*$", re.IGNORECASE)
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
-def parse_size(text: str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes; a clear error otherwise."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 2GiB, 512MiB, 4GB or a byte count")
-    value = int(float(m.group(1)) * _UNITS[unit])
+def parse_size(text: str, what: str = "size") -> int:
+    """'8GiB', '512MiB', '2GB', '1.5 G' or a byte count; KiB/K/G are 1024-based, KB/GB 1000-based."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"{what} must be a size like 8GiB, 512MiB, 2GB or a byte count, got {text!r}")
+    number, prefix, binary, bytes_suffix = match.groups()
+    multiplier = 1
+    if prefix:
+        base = 1000 if bytes_suffix and not binary else 1024  # "GB" is decimal; "GiB" and a bare "G" binary
+        multiplier = base ** _POWERS[prefix.lower()]
+    value = int(float(number) * multiplier)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+        raise ValueError(f"{what} must be positive, got {text!r}")
     return value
+
+
+def size_arg(text: str) -> int:
+    """argparse type for sizes."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def positive_int(text: str) -> int:
@@ -44,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
     g = p.add_argument_group("engine")
     g.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: physical cores)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+    g.add_argument("--kv-cache-memory", type=size_arg, default=None,
                    help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM, at most 2 GiB)")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step (default 64)")

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from quill.cli_args import parse_size
 from quill.config import ModelConfig
 from quill.models.default import default_model_path
 
@@ -19,8 +20,6 @@ TORCH_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat1
 DEFAULT_CONTEXTS = "2k,8k,32k,128k"
 WEIGHT_SUFFIXES = ((".safetensors",), (".bin", ".pt", ".pth"))  # safetensors wins when both exist
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)(b?)|b)?\s*$", re.IGNORECASE)
-_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
 @dataclass(frozen=True)
@@ -31,22 +30,6 @@ class ModelFootprint:
     config: ModelConfig
     weight_bytes: int
     weight_source: str  # e.g. "file size" or "estimate: parameters x 2 bytes, bfloat16 from torch_dtype"
-
-
-def parse_size(text: str, what: str = "--budget") -> int:
-    """'8GiB', '512MiB', '2GB', '1.5 G' or plain bytes; KiB/K are 1024-based, KB is 1000-based."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"{what} must be a size like 8GiB, 512MiB, 2GB or a byte count, got {text!r}")
-    number, prefix, binary, bytes_suffix = match.groups()
-    multiplier = 1
-    if prefix:
-        base = 1000 if bytes_suffix and not binary else 1024  # "GB" is decimal; "GiB" and a bare "G" binary
-        multiplier = base ** _POWERS[prefix.lower()]
-    value = int(float(number) * multiplier)
-    if value <= 0:
-        raise ValueError(f"{what} must be positive, got {text!r}")
-    return value
 
 
 def parse_contexts(text: str) -> list[int]:

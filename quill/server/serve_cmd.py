@@ -5,43 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 
+from quill.cli_args import add_engine_args, engine_config_from_args, parse_size, positive_int, size_arg  # noqa: F401
+
 logger = logging.getLogger("quill.server")
-
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """'2GiB' / '512M' / '1.5GB' / '1048576' -> bytes (single letters are binary, like docker)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; use e.g. 2GiB, 512MiB, 1.5GB or a byte count")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
 
 def _nonnegative_float(text: str) -> float:
     try:
@@ -54,22 +22,16 @@ def _nonnegative_float(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, metavar="PATH", help="GGUF file or model directory (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; 0.0.0.0 exposes it)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--api-key", default=os.environ.get("QUILL_API_KEY"), metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (env QUILL_API_KEY)")
-    p.add_argument("--served-model-name", default=None, metavar="NAME", help="the model id clients send (default: the model's name)")
-    p.add_argument("--kv-cache-memory", type=_size_arg, default=None, metavar="SIZE", help="KV cache budget, e.g. 2GiB (default: derived from free RAM)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N", help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N", help="token budget per engine step")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    p.add_argument("--max-waiting", type=_positive_int, default=None, metavar="N", help="refuse (503 + Retry-After) beyond this many queued requests")
-    p.add_argument("--drain-timeout", type=_nonnegative_float, default=30.0, metavar="SECONDS", help="on SIGTERM, how long in-flight requests may finish (default 30)")
-    p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads for the engine (default: physical cores)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS", help="context length (default: the model's)")
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    p.add_argument("--max-body-size", type=_size_arg, default=4 * 1024 * 1024, metavar="SIZE", help="largest request body (default 4MiB)")
-    p.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)  # --model, --threads, KV cache and scheduler flags, shared with generate/chat/trace
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; 0.0.0.0 exposes it)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--api-key", default=os.environ.get("QUILL_API_KEY"), metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (env QUILL_API_KEY)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME", help="the model id clients send (default: the model's name)")
+    g.add_argument("--max-waiting", type=positive_int, default=None, metavar="N", help="refuse (503 + Retry-After) beyond this many queued requests")
+    g.add_argument("--drain-timeout", type=_nonnegative_float, default=30.0, metavar="SECONDS", help="on SIGTERM, how long in-flight requests may finish (default 30)")
+    g.add_argument("--max-body-size", type=size_arg, default=4 * 1024 * 1024, metavar="SIZE", help="largest request body (default 4MiB)")
+    g.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
 
 
 DESCRIPTION = (
@@ -87,21 +49,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def engine_config(args):
-    """The EngineConfig these flags describe (defaults stay the config's own)."""
-    from quill.config import CacheConfig, EngineConfig, SchedulerConfig
-
-    cache = {"enable_prefix_caching": not args.no_prefix_cache}
-    if args.kv_cache_memory is not None:
-        cache["kv_cache_memory"] = args.kv_cache_memory
-    sched = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens), ("max_waiting", args.max_waiting)) if v is not None}
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        threads=args.threads,
-        max_model_len=args.max_model_len,
-        cache=CacheConfig(**cache),
-        scheduler=SchedulerConfig(**sched),
-    )
+    """The EngineConfig these flags describe."""
+    return engine_config_from_args(args, max_waiting=args.max_waiting)
 
 
 def process_age_ms() -> float | None:
