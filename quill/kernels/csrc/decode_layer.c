@@ -49,6 +49,41 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* exp(x) for 8 lanes: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for exp(r), times 2^n.
+ * Relative error ~2e-7 over the softmax range (x <= 0); inputs below -87 give 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* exp(v[i] - shift) in place for i < n; returns the sum (fixed order: 8 lanes, then the tail). */
+static float exp_shift_sum(float *v, long n, float shift) {
+    __m256 total = _mm256_setzero_ps(), s = _mm256_set1_ps(shift);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), s));
+        _mm256_storeu_ps(v + i, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = 0.f;
+    for (; i < n; i++) { v[i] = expf(v[i] - shift); sum += v[i]; }
+    __m128 lo = _mm256_castps256_ps128(total), hi = _mm256_extractf128_ps(total, 1);
+    lo = _mm_add_ps(lo, hi); lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo)); lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo) + sum;
+}
+
 static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
@@ -91,6 +126,26 @@ static void rope(float *v, const float *cos, const float *sin, int hd) { /* rota
 
 #define MAX_GROUP 16
 
+/* Lane j = dot(q, k_j) for eight key vectors (hd % 8 == 0): eight FMA chains, one transpose-add. */
+static inline __m256 dot8(const float *q, const float *const k[8], int hd) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int i = 0; i < hd; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
+    }
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 /* One task per (row, KV head): the q heads that share that KV head read each K and V
  * vector once (grouped-query attention), so the cache is streamed once, not once per q head. */
 static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs *s) {
@@ -105,7 +160,22 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
             float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
             float mx[MAX_GROUP], total[MAX_GROUP];
             for (int g = 0; g < group; g++) { mx[g] = -INFINITY; total[g] = 0.f; }
-            for (long l = 0; l < len; l++) {
+            long l0 = 0;
+            if (hd % 8 == 0) {
+                __m256 vmx[MAX_GROUP];
+                for (int g = 0; g < group; g++) vmx[g] = _mm256_set1_ps(-INFINITY);
+                for (; l0 + 8 <= len; l0 += 8) {
+                    const float *k[8];
+                    for (int j = 0; j < 8; j++) k[j] = L->k_cache + (slots[l0 + j] * nkv + kvh) * hd;
+                    for (int g = 0; g < group; g++) {
+                        __m256 v = _mm256_mul_ps(dot8(q0 + g * hd, k, hd), _mm256_set1_ps(m->scale));
+                        _mm256_storeu_ps(sc0 + g * s->max_ctx + l0, v);
+                        vmx[g] = _mm256_max_ps(vmx[g], v);
+                    }
+                }
+                for (int g = 0; g < group; g++) mx[g] = hmax8(vmx[g]);
+            }
+            for (long l = l0; l < len; l++) {
                 const float *k = L->k_cache + (slots[l] * nkv + kvh) * hd;
                 for (int g = 0; g < group; g++) {
                     float v = dot(q0 + g * hd, k, hd) * m->scale;
@@ -113,10 +183,7 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
                     if (v > mx[g]) mx[g] = v;
                 }
             }
-            for (int g = 0; g < group; g++) {
-                float *sc = sc0 + g * s->max_ctx;
-                for (long l = 0; l < len; l++) { sc[l] = expf(sc[l] - mx[g]); total[g] += sc[l]; }
-            }
+            for (int g = 0; g < group; g++) total[g] = exp_shift_sum(sc0 + g * s->max_ctx, len, mx[g]);
             float *out0 = s->attn + (long)b * nh * hd + (long)kvh * group * hd;
             for (int i = 0; i < hd; i += 8) {
                 __m256 acc[MAX_GROUP];
@@ -150,12 +217,18 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
     for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
     rmsnorm(x, L->norm2, s->h, B, H, m->eps);
     gemv(&L->gate_up, s->h, s->sums, s->gu, B);
-#pragma omp parallel for schedule(static) collapse(2)
-    for (int b = 0; b < B; b++)
-        for (int i = 0; i < I; i++) {
-            float g = s->gu[(long)b * 2 * I + i], u = s->gu[(long)b * 2 * I + I + i];
-            s->act[(long)b * I + i] = g / (1.0f + expf(-g)) * u;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < B; b++) {
+        const float *g = s->gu + (long)b * 2 * I, *u = g + I;
+        float *a = s->act + (long)b * I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8) { /* silu(g) * u = g / (1 + exp(-g)) * u */
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
         }
+        for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
     gemv(&L->down, s->act, s->sums, s->tmp, B);
     for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
 }
