@@ -73,3 +73,22 @@ def test_selftest_passes():
     proc = subprocess.run([sys.executable, "-m", "quill.cli", "selftest"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "decode path == prefill path" in proc.stdout and "selftest passed" in proc.stdout
+
+
+def test_cli_info_reports_kv_bytes_by_formula():
+    proc = subprocess.run([sys.executable, "-m", "quill.cli", "info"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "46,080 B = 45.0 KiB fp32" in out  # 2 x 30 layers x 3 kv heads x 64 x 4 B
+    assert "llama" in out and "Q4_1" in out and "8192" in out
+
+
+def test_cli_chat_two_turns_then_exit():
+    proc = subprocess.run(
+        [sys.executable, "-m", "quill.cli", "chat", "--temperature", "0", "--max-tokens", "12",
+         "--kv-cache-memory", "64MiB"],
+        input="What is the capital of France?\nAnd of Italy?\n/exit\n", capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert proc.stderr.count("generated:") == 2 and "prompt:" in proc.stderr  # timings after each answer
