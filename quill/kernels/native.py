@@ -15,7 +15,9 @@ from pathlib import Path
 
 logger = logging.getLogger("quill.kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_gemv.c", "decode_layer.c")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c")]
+HEADERS = [CSRC / "simd.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
 
@@ -55,7 +57,7 @@ def load() -> ctypes.CDLL | None:
         return None
     import torch  # noqa: F401  -- load torch's libgomp first so the kernels share its OpenMP pool
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"quill_kernels_{digest}.so"
     try:
         if not target.exists():

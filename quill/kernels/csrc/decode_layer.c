@@ -7,6 +7,8 @@
  * sequence's output does not depend on what else is in the batch (batch invariance).
  */
 #include <immintrin.h>
+
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 
@@ -41,13 +43,6 @@ typedef struct {
     float *h, *qkv, *attn, *gu, *act, *tmp, *scores, *sums; /* scratch */
 } StepArgs;
 
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 /* exp(x) for 8 lanes: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for exp(r), times 2^n.
  * Relative error ~2e-7 over the softmax range (x <= 0); inputs below -87 give 0. */
@@ -79,9 +74,7 @@ static float exp_shift_sum(float *v, long n, float shift) {
     }
     float sum = 0.f;
     for (; i < n; i++) { v[i] = expf(v[i] - shift); sum += v[i]; }
-    __m128 lo = _mm256_castps256_ps128(total), hi = _mm256_extractf128_ps(total, 1);
-    lo = _mm_add_ps(lo, hi); lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo)); lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo) + sum;
+    return hsum8(total) + sum;
 }
 
 static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */

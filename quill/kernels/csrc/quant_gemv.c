@@ -12,16 +12,11 @@
  * a weight load, never the arithmetic of one item.
  */
 #include <immintrin.h>
+
+#include "simd.h"
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 static void group_sums(const float *x, float *xs, int B, int G) {
     for (int b = 0; b < B; b++)
