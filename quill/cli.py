@@ -15,34 +15,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING; INFO shows per-request lines)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from quill.commands import chat, generate, info, selftest
+    from quill import memory
+    from quill.bench import latency, serve, structured
+    from quill.commands import chat, generate, info, selftest, trace
+    from quill.server import serve_cmd
 
-    generate.register(sub)
-    chat.register(sub)
-    info.register(sub)
-    selftest.register(sub)
-    _register_optional(sub, "quill.server.serve_cmd")
-    _register_optional(sub, "quill.commands.trace")
-    _register_optional(sub, "quill.memory")
-    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), latency (engine vs llama.cpp)")
+    for module in (generate, chat, info, selftest, serve_cmd, trace, memory):
+        module.register(sub)
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), latency (engine vs llama.cpp), "
+                                         "structured (constrained vs free decode)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    _register_optional(bench_sub, "quill.bench.serve")
-    _register_optional(bench_sub, "quill.bench.latency")
-    _register_optional(bench_sub, "quill.bench.structured")
+    for module in (serve, latency, structured):
+        module.register(bench_sub)
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     return parser
-
-
-def _register_optional(sub, module: str) -> None:
-    import importlib
-
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("quill"):
-            return  # that command is not built yet
-        raise
-    mod.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

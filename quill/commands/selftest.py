@@ -7,8 +7,6 @@ import os
 import sys
 import time
 
-import torch
-
 from quill.cli_args import add_model_arg
 
 KNOWN_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -24,6 +22,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from quill.config import CacheConfig, EngineConfig
     from quill.engine.consistency import prefill_vs_decode
     from quill.llm import LLM
