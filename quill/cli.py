@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING; INFO shows per-request lines)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from quill import memory
-    from quill.bench import latency, serve, structured
+    from quill.bench import accuracy, latency, serve, structured
     from quill.commands import chat, generate, info, selftest, trace
     from quill.server import serve_cmd
 
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), latency (engine vs llama.cpp), "
                                          "structured (constrained vs free decode)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    for module in (serve, latency, structured):
+    for module in (serve, latency, structured, accuracy):
         module.register(bench_sub)
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     return parser

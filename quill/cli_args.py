@@ -65,6 +65,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None, help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
     g.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    g.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: quantize an fp16/bf16/fp32 model's linear layers (per-32 group, symmetric) at load")
 
 
 def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = None) -> EngineConfig:
@@ -72,6 +74,7 @@ def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = 
         model=args.model,
         device=args.device,
         threads=args.threads,
+        quantize=args.quantize,
         max_model_len=args.max_model_len,
         cache=CacheConfig(
             block_size=args.block_size,

@@ -136,6 +136,7 @@ class EngineConfig:
     model: str | None = None  # path; None = the embedded default model
     device: str = "cpu"
     threads: int | None = None
+    quantize: str | None = None  # "int8": quantize fp16/bf16/fp32 weights at load (GGUF files are used as they are)
     max_model_len: int | None = None  # None = the model's context length
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -36,11 +36,13 @@ class LLM:
         max_model_len: int | None = None,
         threads: int | None = None,
         device: str = "cpu",
+        quantize: str | None = None,
     ):
         config = EngineConfig(
             model=model,
             device=device,
             threads=threads,
+            quantize=quantize,
             max_model_len=max_model_len,
             cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),

@@ -148,3 +148,39 @@ def test_hf_folder_end_to_end_matches_transformers(tmp_path):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(ids):].tolist()
     assert out.outputs[0].token_ids == ref
+
+
+def test_quantize_int8_round_trip_bound():
+    from quill.kernels.quantize import quantize_int8
+
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(4))
+    q = quantize_int8(w)
+    back = q.dequantize_rows(torch.arange(48))
+    step = q.scale.repeat_interleave(32, dim=1)  # (48, 96) per-element group scale
+    assert (back - w).abs().le(step / 2 + 1e-7).all()
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_int8(torch.randn(4, 40))
+
+
+def test_hf_folder_quantize_int8_close_to_fp32(tmp_path):
+    import transformers as tf
+
+    from quill.kernels.packed import PackedLinear
+    from quill.llm import LLM
+
+    if native.load() is None:
+        pytest.skip("int8 needs the native kernels")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    tf.LlamaForCausalLM(cfg).float().save_pretrained(tmp_path, safe_serialization=True)
+    _byte_tokenizer_folder(tmp_path, cfg.vocab_size)
+    fp32 = LLM(str(tmp_path), kv_cache_memory=8 << 20)
+    int8 = LLM(str(tmp_path), kv_cache_memory=8 << 20, quantize="int8")
+    assert isinstance(int8.engine.loaded.model.layers[0].mlp.down_proj, PackedLinear)
+    assert int8.engine.loaded.model.resident_bytes() < fp32.engine.loaded.model.resident_bytes()
+    from quill.bench.accuracy import position_logits
+
+    ids = fp32.tokenizer.encode("int8 weights should barely move the logits of this prompt")
+    a, b = position_logits(fp32.engine.loaded, ids), position_logits(int8.engine.loaded, ids)
+    assert ((b - a).norm() / a.norm()).item() < 0.05

@@ -43,7 +43,7 @@ class LLMEngine:
         from quill.kernels.threads import configure_threads
 
         self.threads = configure_threads(config.threads)
-        self.loaded = loaded or load_model(config.model, device=config.device)
+        self.loaded = loaded or load_model(config.model, device=config.device, quantize=config.quantize)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,

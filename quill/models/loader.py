@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from tqdm import tqdm
 from quill.config import ModelConfig, UnsupportedModelError
 from quill.models.default import DEFAULT_MODEL_NAME, default_model_path, default_model_path_or_none
 from quill.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("quill.models")
 
 def resolve_model_path(model: str | None) -> Path:
     if model is None:
@@ -55,10 +58,15 @@ def load_model(model: str | None = None, device: str = "cpu", quantize: str | No
     """Load weights (with a progress bar) and the tokenizer; raises UnsupportedModelError clearly."""
     path = resolve_model_path(model)
     t0 = time.perf_counter()
+    if quantize is not None and quantize not in ("int8",):
+        raise ValueError(f"--quantize {quantize!r} is not supported; choose int8")
     if path.is_file() and path.suffix == ".gguf":
+        if quantize is not None:
+            logger.warning("--quantize %s ignored: %s is already quantized (its blocks are used as they are)",
+                           quantize, path.name)
         loaded = _load_gguf(path, device)
     elif path.is_dir() and (path / "config.json").exists():
-        loaded = _load_hf_folder(path, device)
+        loaded = _load_hf_folder(path, device, quantize)
     else:
         raise UnsupportedModelError(f"{path} is neither a .gguf file nor a folder with config.json")
     loaded.load_ms = (time.perf_counter() - t0) * 1000.0
@@ -139,9 +147,10 @@ def _load_gguf(path: Path, device: str) -> LoadedModel:
                        file_bytes=path.stat().st_size)
 
 
-def _load_hf_folder(path: Path, device: str) -> LoadedModel:
+def _load_hf_folder(path: Path, device: str, quantize: str | None = None) -> LoadedModel:
     from safetensors import safe_open
 
+    from quill.models.llama import DenseWeights
     from quill.tokenizer import Tokenizer
 
     cfg_dict = json.loads((path / "config.json").read_text())
@@ -161,7 +170,15 @@ def _load_hf_folder(path: Path, device: str) -> LoadedModel:
         return t.float().to(device)
 
     bar = _progress(cfg.num_layers, f"loading {path.name}")
-    model = LlamaForCausalLM(cfg, get, device=device, progress=lambda i: bar.update(1))
+    weights = DenseWeights(get)
+    if quantize == "int8":
+        from quill.kernels import native
+        from quill.kernels.quantize import Int8Weights
+
+        if device != "cpu" or native.load() is None:
+            raise ValueError("--quantize int8 needs the CPU kernels (x86-64 with AVX2/FMA and gcc)")
+        weights = Int8Weights(weights)
+    model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1))
     bar.close()
     tok = Tokenizer.from_hf_dir(path)
     size = sum(f.stat().st_size for f in files)
