@@ -61,20 +61,24 @@ static inline __m256 dot32(const __m256 w[4], const float *xg) {
     static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,         \
                      const float *xs, float *out, int N, int n, int G, int b0, int nb) {          \
         __m256 acc[TILE];                                                                         \
-        float accm[TILE];                                                                         \
-        for (int t = 0; t < nb; t++) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }             \
+        for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps();                                \
         const long K = (long)G * 32;                                                              \
         for (int g = 0; g < G; g++) {                                                             \
             __m256 w[4];                                                                          \
             UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
             __m256 s = _mm256_set1_ps(sc[g]);                                                     \
-            for (int t = 0; t < nb; t++) {                                                        \
-                long b = b0 + t;                                                                  \
-                acc[t] = _mm256_fmadd_ps(s, dot32(w, x + b * K + (long)g * 32), acc[t]);          \
-                accm[t] += mn[g] * xs[b * G + g];                                                 \
-            }                                                                                     \
+            for (int t = 0; t < nb; t++)                                                          \
+                acc[t] = _mm256_fmadd_ps(s, dot32(w, x + (b0 + t) * K + (long)g * 32), acc[t]);   \
         }                                                                                         \
-        for (int t = 0; t < nb; t++) out[(long)(b0 + t) * N + n] = hsum8(acc[t]) + accm[t];      \
+        for (int t = 0; t < nb; t++) { /* the min terms: one dot product of mins and group sums */ \
+            const float *xst = xs + (long)(b0 + t) * G;                                           \
+            __m256 m = _mm256_setzero_ps();                                                       \
+            int h = 0;                                                                            \
+            for (; h + 8 <= G; h += 8) m = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), _mm256_loadu_ps(xst + h), m); \
+            float tail = 0.f;                                                                     \
+            for (; h < G; h++) tail += mn[h] * xst[h];                                            \
+            out[(long)(b0 + t) * N + n] = hsum8(acc[t]) + hsum8(m) + tail;                        \
+        }                                                                                         \
     }
 
 ROW_KERNEL(row_q4, uint8_t, 16, unpack_q4)
@@ -101,23 +105,45 @@ AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
 #define ROW_KERNEL_512(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                     \
     AVX512 static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,  \
                             const float *xs, float *out, int N, int n, int G, int b0, int nb) {   \
-        __m512 acc[TILE512];                                                                         \
-        float accm[TILE512];                                                                         \
-        for (int t = 0; t < nb; t++) { acc[t] = _mm512_setzero_ps(); accm[t] = 0.f; }             \
+        /* two accumulators per item (even and odd groups) hide the FMA latency; the min terms    \
+           are one vector dot product after the loop, off the critical chain */                   \
+        __m512 acc[TILE512], acc2[TILE512];                                                       \
+        for (int t = 0; t < nb; t++) { acc[t] = _mm512_setzero_ps(); acc2[t] = _mm512_setzero_ps(); } \
         const long K = (long)G * 32;                                                              \
-        for (int g = 0; g < G; g++) {                                                             \
+        int g = 0;                                                                                \
+        for (; g + 2 <= G; g += 2) {                                                              \
+            __m512 w[2], v[2];                                                                    \
+            UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
+            UNPACK(row + (long)(g + 1) * BYTES_PER_GROUP, v);                                     \
+            __m512 s = _mm512_set1_ps(sc[g]), s2 = _mm512_set1_ps(sc[g + 1]);                     \
+            for (int t = 0; t < nb; t++) {                                                        \
+                const float *xg = x + (b0 + t) * K + (long)g * 32;                                \
+                __m512 d = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))); \
+                __m512 e = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xg + 48), _mm512_mul_ps(v[0], _mm512_loadu_ps(xg + 32))); \
+                acc[t] = _mm512_fmadd_ps(s, d, acc[t]);                                           \
+                acc2[t] = _mm512_fmadd_ps(s2, e, acc2[t]);                                        \
+            }                                                                                     \
+        }                                                                                         \
+        for (; g < G; g++) {                                                                      \
             __m512 w[2];                                                                          \
             UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
             __m512 s = _mm512_set1_ps(sc[g]);                                                     \
             for (int t = 0; t < nb; t++) {                                                        \
                 const float *xg = x + (b0 + t) * K + (long)g * 32;                                \
-                __m512 d = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16),                        \
-                                           _mm512_mul_ps(w[0], _mm512_loadu_ps(xg)));             \
+                __m512 d = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))); \
                 acc[t] = _mm512_fmadd_ps(s, d, acc[t]);                                           \
-                accm[t] += mn[g] * xs[(long)(b0 + t) * G + g];                                    \
             }                                                                                     \
         }                                                                                         \
-        for (int t = 0; t < nb; t++) out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]) + accm[t]; \
+        for (int t = 0; t < nb; t++) {                                                            \
+            const float *xst = xs + (long)(b0 + t) * G;                                           \
+            __m512 m = _mm512_setzero_ps();                                                       \
+            int h = 0;                                                                            \
+            for (; h + 16 <= G; h += 16) m = _mm512_fmadd_ps(_mm512_loadu_ps(mn + h), _mm512_loadu_ps(xst + h), m); \
+            float tail = 0.f;                                                                     \
+            for (; h < G; h++) tail += mn[h] * xst[h];                                            \
+            out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]))    \
+                                          + _mm512_reduce_add_ps(m) + tail;                       \
+        }                                                                                         \
     }
 
 ROW_KERNEL_512(row_q4_512, uint8_t, 16, unpack_q4_512)
