@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _decode_tps(engine, prompts, params, max_tokens: int) -> float:
+def _decode_tps(engine, prompts, params) -> float:
     """Aggregate tok/s of the decode steps (after every prompt has its first token)."""
     for i, ids in enumerate(prompts):
         engine.add_request(f"bench-{time.perf_counter_ns()}-{i}", ids, params)
@@ -55,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
     constrained = SamplingParams(temperature=0.8, seed=1, max_tokens=args.max_tokens, json_schema=SCHEMA)
     free = SamplingParams(temperature=0.8, seed=1, max_tokens=args.max_tokens, ignore_eos=True)
     results = {"constrained": [], "unconstrained": []}
-    _decode_tps(engine, prompts, free, args.max_tokens)  # warm-up (kernels, grammar cache)
-    _decode_tps(engine, prompts, constrained, args.max_tokens)
+    _decode_tps(engine, prompts, free)  # warm-up (kernels, grammar cache)
+    _decode_tps(engine, prompts, constrained)
     for _ in range(args.repeats):  # interleaved so drift hits both alike
-        results["constrained"].append(_decode_tps(engine, prompts, constrained, args.max_tokens))
-        results["unconstrained"].append(_decode_tps(engine, prompts, free, args.max_tokens))
+        results["constrained"].append(_decode_tps(engine, prompts, constrained))
+        results["unconstrained"].append(_decode_tps(engine, prompts, free))
     c, u = (statistics.median(results[k]) for k in ("constrained", "unconstrained"))
     print(f"batch {args.batch}, {args.max_tokens} tokens each, median of {args.repeats}")
     print(f"constrained (JSON schema) decode   {c:8.1f} tok/s")
