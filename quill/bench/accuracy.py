@@ -24,18 +24,15 @@ def register(subparsers) -> None:
 def position_logits(loaded, token_ids: list[int]) -> torch.Tensor:
     """(T, V) logits for every position of one prefill, through the engine's own runner."""
     from quill.config import CacheConfig, EngineConfig, SchedulerConfig
+    from quill.engine.consistency import chunk_logits
     from quill.engine.engine import LLMEngine
-    from quill.engine.scheduler import ScheduledSeq
     from quill.engine.sequence import Sequence
     from quill.sampling_params import SamplingParams
 
     n = len(token_ids)
     engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks_override=n // 16 + 2, enable_prefix_caching=False),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=max(n, 64))), loaded)
-    seq = Sequence("accuracy", token_ids, SamplingParams())
-    engine.block_manager.allocate(seq, n)
-    hidden, _ = engine.runner.forward([ScheduledSeq(seq, 0, n)])
-    return engine.runner.model.compute_logits(hidden)
+    return chunk_logits(engine, Sequence("accuracy", token_ids, SamplingParams()), 0, n)
 
 
 def run(args: argparse.Namespace) -> int:

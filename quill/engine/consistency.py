@@ -9,7 +9,7 @@ from quill.engine.sequence import Sequence
 from quill.sampling_params import SamplingParams
 
 
-def _logits_for(engine, seq: Sequence, start: int, n: int) -> torch.Tensor:
+def chunk_logits(engine, seq: Sequence, start: int, n: int) -> torch.Tensor:
     """Run tokens [start, start+n) of seq; -> (n, V) logits for every computed row."""
     runner = engine.runner
     if not engine.block_manager.allocate(seq, n):
@@ -28,10 +28,10 @@ def prefill_vs_decode(engine, token_ids: list[int], num_prefill: int) -> tuple[t
     full = Sequence("consistency-full", token_ids, SamplingParams())
     step = Sequence("consistency-step", token_ids, SamplingParams())
     try:
-        a = _logits_for(engine, full, 0, len(token_ids))[num_prefill - 1 :]
-        rows = [_logits_for(engine, step, 0, num_prefill)[-1:]]
+        a = chunk_logits(engine, full, 0, len(token_ids))[num_prefill - 1 :]
+        rows = [chunk_logits(engine, step, 0, num_prefill)[-1:]]
         for pos in range(num_prefill, len(token_ids)):
-            rows.append(_logits_for(engine, step, pos, 1))
+            rows.append(chunk_logits(engine, step, pos, 1))
         return a, torch.cat(rows)
     finally:
         bm.free(full)

@@ -148,7 +148,7 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = self._collect_aborted()
+        outputs = self.step_aborted()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -174,9 +174,6 @@ class LLMEngine:
 
     def step_aborted(self) -> list[RequestOutput]:
         """Emit the final outputs of aborted requests without running the model."""
-        return self._collect_aborted()
-
-    def _collect_aborted(self) -> list[RequestOutput]:
         done = [s for s in self.requests.values() if s.aborted]
         return [self._emit(s) for s in done]
 

@@ -21,7 +21,6 @@ class StepResult:
     """Sampled tokens for the scheduled sequences that reached the end of their known tokens."""
 
     sampled: list[tuple[Sequence, int, dict | None]]  # (seq, token id, logprobs entry)
-    top_candidates: list | None = None  # (seq, [(token_id, prob), ...]) when requested (trace)
 
 
 class ModelRunner:
@@ -91,13 +90,8 @@ class ModelRunner:
         return input_ids, positions, meta, sample_rows
 
     def _decode_meta(self, meta: AttentionMetadata, rows: list[int], ctx: list[np.ndarray], q_pos: np.ndarray):
-        lmax = max(len(c) for c in ctx)
-        slots = np.zeros((len(rows), lmax), dtype=np.int64)
-        lengths = np.array([len(c) for c in ctx])
-        for i, c in enumerate(ctx):
-            slots[i, : len(c)] = c
-            slots[i, len(c) :] = c[-1]  # pad with a real slot so no garbage is read
-        keys = np.arange(lmax)[None, :]
+        slots, lengths = _pad_slots(ctx)
+        keys = np.arange(slots.shape[1])[None, :]
         allowed = keys < lengths[:, None]
         if self.config.sliding_window:
             allowed &= q_pos[:, None] - keys < self.config.sliding_window
@@ -122,16 +116,11 @@ class ModelRunner:
     def _fused_inputs(self, items: list[ScheduledSeq]):
         """Decode rows for the fused path: ids, positions, new slots, padded context slots, lengths."""
         ctx = [self._slots(item.seq, 0, item.start + 1) for item in items]
-        lmax = max(len(c) for c in ctx)
-        padded = np.empty((len(items), lmax), dtype=np.int64)
-        for i, c in enumerate(ctx):
-            padded[i, : len(c)] = c
-            padded[i, len(c) :] = c[-1]
+        padded, lengths = _pad_slots(ctx)
         ids = torch.tensor([item.seq.token_ids_slice(item.start, item.start + 1)[0] for item in items])
         positions = torch.tensor([item.start for item in items], dtype=torch.long)
         new_slots = torch.from_numpy(np.array([c[-1] for c in ctx], dtype=np.int64))
-        lens = torch.tensor([len(c) for c in ctx], dtype=torch.long)
-        return ids, positions, new_slots, torch.from_numpy(padded), lens
+        return ids, positions, new_slots, torch.from_numpy(padded), torch.from_numpy(lengths)
 
     def forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """-> hidden (T, H) for every scheduled row, and the rows whose logits pick a token.
@@ -181,3 +170,14 @@ def _leading_decodes(scheduled: list[ScheduledSeq]) -> int:
             break
         count += 1
     return count
+
+
+def _pad_slots(ctx: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sequence context slots -> (B, Lmax) int64 padded with each row's last real slot (so a
+    padded read never touches garbage), and the (B,) int64 lengths."""
+    lengths = np.array([len(c) for c in ctx], dtype=np.int64)
+    padded = np.empty((len(ctx), int(lengths.max())), dtype=np.int64)
+    for i, c in enumerate(ctx):
+        padded[i, : len(c)] = c
+        padded[i, len(c) :] = c[-1]
+    return padded, lengths

@@ -136,10 +136,9 @@ def _load_gguf(path: Path, device: str) -> LoadedModel:
     gf.check_tensor_types()
     tok = Tokenizer.from_gguf_metadata(gf.tokenizer_metadata())
     types: collections.Counter = collections.Counter()
-    if device == "cpu" and native.load() is not None:
-        weights = PackedGGUFWeights(gf, device, types)
-    else:  # no kernels for this device: fp32 weights, torch ops
-        weights = DenseWeights(lambda name: PackedGGUFWeights(gf, device, types).tensor(name))
+    weights = PackedGGUFWeights(gf, device, types)
+    if device != "cpu" or native.load() is None:  # no kernels for this device: fp32 weights, torch ops
+        weights = DenseWeights(weights.tensor)
     bar = _progress(cfg.num_layers, f"loading {path.name}")
     model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1))
     bar.close()
