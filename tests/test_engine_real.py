@@ -155,6 +155,24 @@ def test_greedy_output_identical_alone_and_in_batch_of_16(make_llm):
     assert batch[0].outputs[0].token_ids == alone
 
 
+def test_packed_layout_without_amx_is_batch_invariant_too(monkeypatch):
+    """CPUs without AMX keep the packed layout and the AVX kernels: the same guarantee holds there."""
+    from quill.config import CacheConfig, EngineConfig
+    from quill.kernels import packed, tiled
+    from quill.llm import LLM
+    from quill.models.loader import load_model
+
+    monkeypatch.setattr(tiled, "available", lambda: False)
+    loaded = load_model(None)
+    assert isinstance(loaded.model.layers[0].mlp.down_proj.weight, packed.PackedWeight)
+    llm = LLM.from_engine_config(EngineConfig(model=None, cache=CacheConfig(kv_cache_memory=32 << 20)), loaded)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate("The three laws of robotics are", params)[0].outputs[0].token_ids
+    others = [f"Question {i}: what is {i} plus {i}?" for i in range(15)]
+    batch = llm.generate(["The three laws of robotics are"] + others, [params] + [SamplingParams(temperature=0, max_tokens=6)] * 15)
+    assert batch[0].outputs[0].token_ids == alone
+
+
 def test_prompts_file_runs_as_one_batch(tmp_path):
     import json
     import subprocess

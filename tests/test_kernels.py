@@ -8,12 +8,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from quill.kernels import native
+from quill.kernels import native, tiled
 from quill.kernels.packed import PACKABLE, PackedLinear, Workspace, concat_rows, pack_gguf
 
 from test_gguf import random_tensor
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels need x86-64 AVX2/FMA and gcc")
+needs_amx = pytest.mark.skipif(not tiled.available(), reason="the tiled kernel needs a CPU with AMX-INT8")
 TYPES = sorted(PACKABLE, key=lambda t: t.name)
 
 
@@ -66,6 +67,60 @@ def test_kernel_rows_are_batch_invariant():
     # decode rows stay on the kernel even when prefill rows share the step
     mixed = torch.cat([batch[:3], torch.randn(40, w.cols)])
     assert torch.equal(lin(mixed, gemv_rows=3)[:3], full[:3])
+
+
+def tiled_pair(qtype, rows=48, seed=0):
+    """A packed weight, its tiled form and gguf's values; 64-column chunks need 2 Q4/Q8 blocks (or 1 K-quant)."""
+    blocks = 1 if qtype in (Q.Q4_K, Q.Q5_K) else 6
+    w, ref = packed(qtype, rows=rows, blocks=blocks, seed=seed)
+    return w, tiled.tile_weight(w), ref
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_tiled_layout_holds_the_same_values(qtype):
+    w, t, ref = tiled_pair(qtype)
+    assert t is not None and (t.rows, t.cols) == (w.rows, w.cols)
+    assert torch.equal(t.dequantize(), w.dequantize())  # same values, only reordered
+    ids = torch.tensor([0, 7, 16, 47, 3])
+    assert torch.equal(t.dequantize_rows(ids), w.dequantize_rows(ids))
+    np.testing.assert_array_equal(t.dequantize_rows(torch.arange(t.rows)).numpy(), ref)
+    assert t.nbytes <= w.nbytes  # all-zero mins (Q8_0) are dropped
+
+
+@needs_amx
+def test_tiled_layout_refuses_shapes_that_do_not_fit():
+    w, _ = packed(Q.Q4_1, rows=40, blocks=6)  # 40 rows: not whole 16-row blocks
+    assert tiled.tile_weight(w) is None and tiled.for_cpu(w) is w
+    w, _ = packed(Q.Q4_1, rows=48, blocks=5)  # 160 columns: not whole 64-column chunks
+    assert tiled.tile_weight(w) is None
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("batch", [1, 2, 5, 16, 19])
+def test_tiled_kernel_matches_fp32_reference(qtype, batch):
+    _, t, ref = tiled_pair(qtype, seed=batch)
+    lin = PackedLinear(t, None, Workspace())
+    x = torch.randn(batch, t.cols, generator=torch.Generator().manual_seed(1))
+    x[0, 5] = 300.0  # an outlier: the digit split is per 32-element group, so its neighbours keep precision
+    expected = x.double() @ torch.from_numpy(ref).double().T
+    got = lin(x, gemv_rows=batch).double()
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    assert ((lin(x, gemv_rows=0).double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_tiled_kernel_rows_are_batch_invariant(qtype):
+    _, t, _ = tiled_pair(qtype, rows=64, seed=3)
+    lin = PackedLinear(t, None, Workspace())
+    batch = torch.randn(19, t.cols, generator=torch.Generator().manual_seed(2))
+    full = lin(batch[:16], gemv_rows=16)
+    for i in (0, 5, 15):
+        assert torch.equal(lin(batch[i : i + 1], gemv_rows=1)[0], full[i]), f"row {i} differs alone vs in 16"
+    assert torch.equal(lin(batch[:16].flip(0), gemv_rows=16).flip(0), full)
+    assert torch.equal(lin(batch, gemv_rows=19)[:16], full)  # past one 16-item pass, odd count padded
 
 
 def test_concat_rows_fuses_projections():

@@ -12,9 +12,10 @@ import torch
 
 from quill.kernels import native
 from quill.kernels.linear import DenseLinear
-from quill.kernels.packed import PackedLinear
+from quill.kernels.packed import PackedLinear, PackedWeight
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+ATTENTION_SPLIT = 64  # SPLIT in decode_layer.c: context positions per attention task
 
 
 class QWeight(ctypes.Structure):
@@ -34,7 +35,7 @@ class ModelShape(ctypes.Structure):
 class StepArgs(ctypes.Structure):
     _fields_ = [("batch", I), ("max_ctx", I), ("positions", P), ("new_slots", P), ("ctx_slots", P),
                 ("ctx_lens", P), ("h", P), ("qkv", P), ("attn", P), ("gu", P), ("act", P), ("tmp", P),
-                ("scores", P), ("sums", P)]
+                ("scores", P), ("sums", P), ("partials", P)]
 
 
 def _qweight(linear, keep: list) -> QWeight | None:
@@ -43,8 +44,9 @@ def _qweight(linear, keep: list) -> QWeight | None:
     if isinstance(linear, PackedLinear):
         w = linear.weight
         keep.append(w)
-        return QWeight(0 if w.kind == "q4" else 1, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(),
-                       w.mins.data_ptr(), bias_ptr)
+        kind = (0 if w.kind == "q4" else 1) + (0 if isinstance(w, PackedWeight) else 3)  # 3, 4: AMX tiled
+        mins = None if w.mins is None else w.mins.data_ptr()
+        return QWeight(kind, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(), mins, bias_ptr)
     if isinstance(linear, DenseLinear) and linear.in_features % 32 == 0 and linear.weight.dtype == torch.float32:
         keep.append(linear.weight)
         return QWeight(2, linear.out_features, linear.in_features // 32, linear.weight.data_ptr(), None, None, bias_ptr)
@@ -90,6 +92,10 @@ class FusedDecoder:
             self._scratch[name] = t
         return t
 
+    def _scratch_floats(self, batch: int, widest: int) -> int:
+        """Group sums for the packed kernels, or the tiled kernel's digits and scales."""
+        return max(batch * (widest // 32 + 1), -(-self.lib.quill_amx_scratch_bytes(batch, widest) // 4))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor,
                 ctx_slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
         """input_ids, positions, new_slots, ctx_lens (B,) int64; ctx_slots (B, Lmax) int64 -> hidden (B, H)."""
@@ -104,7 +110,9 @@ class FusedDecoder:
             self._buf("attn", B * cfg.num_heads * cfg.head_dim).data_ptr(),
             self._buf("gu", B * 2 * cfg.intermediate_size).data_ptr(),
             self._buf("act", B * cfg.intermediate_size).data_ptr(), self._buf("tmp", B * cfg.hidden_size).data_ptr(),
-            self._buf("scores", B * cfg.num_heads * lmax).data_ptr(), self._buf("sums", B * (widest // 32 + 1)).data_ptr(),
+            self._buf("scores", B * cfg.num_heads * lmax).data_ptr(), self._buf("sums", self._scratch_floats(B, widest)).data_ptr(),
+            self._buf("partials", B * cfg.num_kv_heads * (-(-lmax // ATTENTION_SPLIT))
+                      * (cfg.num_heads // cfg.num_kv_heads) * (cfg.head_dim + 2)).data_ptr(),
         )
         shape_ref, step_ref = ctypes.byref(self.shape), ctypes.byref(step)
         fn, xp = self.lib.quill_decode_layer, x.data_ptr()

@@ -16,7 +16,7 @@ from pathlib import Path
 logger = logging.getLogger("quill.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c")]
+SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c")]
 HEADERS = [CSRC / "simd.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
@@ -76,6 +76,14 @@ def load() -> ctypes.CDLL | None:
     lib.quill_decode_layer.restype = None
     lib.quill_kernel_isa.argtypes = []
     lib.quill_kernel_isa.restype = ctypes.c_int
+    lib.quill_amx_available.argtypes = []
+    lib.quill_amx_available.restype = I
+    lib.quill_amx_gemv.argtypes = [I, P, P, P, P, P, I, I, I, P]
+    lib.quill_amx_gemv.restype = None
+    lib.quill_amx_dequant.argtypes = [I, P, P, P, P, I, I]
+    lib.quill_amx_dequant.restype = None
+    lib.quill_amx_scratch_bytes.argtypes = [I, I]
+    lib.quill_amx_scratch_bytes.restype = ctypes.c_long
     lib.quill_read_sum.argtypes = [P, ctypes.c_long]
     lib.quill_read_sum.restype = ctypes.c_double
     return lib

@@ -130,15 +130,18 @@ class Workspace:
         return self._tile[:numel]
 
     def sums(self, numel: int) -> torch.Tensor:
+        """numel floats (also used as raw scratch bytes by the tiled kernel)."""
         if self._sums.numel() < numel:
             self._sums = torch.empty(max(numel, 4096))
         return self._sums[:numel]
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T (+ b) on packed weights: GEMV kernel for decode rows, dequant tile + BLAS for prefill."""
+    """y = x @ W.T (+ b) on packed weights: GEMV kernel for decode rows, dequant tile + BLAS for prefill.
 
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, workspace: Workspace):
+    `weight` is a PackedWeight or its AMX-tiled form (quill.kernels.tiled.TiledWeight)."""
+
+    def __init__(self, weight, bias: torch.Tensor | None, workspace: Workspace):
         super().__init__()
         self.weight, self.bias, self.workspace = weight, bias, workspace
         self.out_features, self.in_features = weight.rows, weight.cols
@@ -168,6 +171,9 @@ class PackedLinear(nn.Module):
     def gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """x (B, in) contiguous -> out (B, out) rows written in place."""
         w = self.weight
+        if not isinstance(w, PackedWeight):  # a TiledWeight (AMX)
+            w.gemv(x, out, self.workspace.sums(-(-w.scratch_bytes(x.shape[0]) // 4)))
+            return
         fn = self._lib.quill_gemv_q4 if w.kind == "q4" else self._lib.quill_gemv_q8
         sums = self.workspace.sums(x.shape[0] * w.groups)
         fn(w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), sums.data_ptr(),
@@ -175,9 +181,9 @@ class PackedLinear(nn.Module):
 
 
 class PackedEmbedding(nn.Module):
-    """Token embedding that dequantizes only the rows looked up."""
+    """Token embedding that dequantizes only the rows looked up (PackedWeight or TiledWeight)."""
 
-    def __init__(self, weight: PackedWeight):
+    def __init__(self, weight):
         super().__init__()
         self.weight = weight
 

@@ -36,7 +36,9 @@ class Int8Weights:
             from quill.kernels.linear import DenseLinear
 
             return DenseLinear(w.float().contiguous(), b)
-        return PackedLinear(quantize_int8(w), b, self.workspace)
+        from quill.kernels.tiled import for_cpu
+
+        return PackedLinear(for_cpu(quantize_int8(w)), b, self.workspace)
 
     def linear(self, names: list[str], has_bias: bool):
         get = self.dense.get

@@ -160,8 +160,8 @@ class LlamaForCausalLM(nn.Module):
         yield from self.parameters()
         for m in self.modules():
             w = getattr(m, "weight", None)
-            if w is not None and not isinstance(w, torch.Tensor):  # a PackedWeight
-                yield from (w.codes, w.scale, w.mins)
+            if w is not None and not isinstance(w, torch.Tensor):  # a PackedWeight or TiledWeight
+                yield from (t for t in (w.codes, w.scale, w.mins) if t is not None)
             b = getattr(m, "bias", None)
             if isinstance(b, torch.Tensor) and not isinstance(b, nn.Parameter):
                 yield b

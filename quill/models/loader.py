@@ -101,20 +101,22 @@ class PackedGGUFWeights:
     def linear(self, names: list[str], has_bias: bool):
         from quill.kernels.linear import DenseLinear
         from quill.kernels.packed import PackedLinear, concat_rows, pack_gguf
+        from quill.kernels.tiled import for_cpu
 
         parts = [self._tensor(n + ".weight") for n in names]
         bias = torch.cat([self.tensor(n + ".bias") for n in names]) if has_bias else None
         packs = [pack_gguf(t.qtype, t.shape, t.raw) if self.device == "cpu" else None for t in parts]
         if all(p is not None for p in packs) and len({p.kind for p in packs}) == 1:
-            return PackedLinear(concat_rows(packs), bias, self.workspace)
+            return PackedLinear(for_cpu(concat_rows(packs)), bias, self.workspace)
         return DenseLinear(torch.cat([self._dense(t) for t in parts]).contiguous(), bias)
 
     def embedding(self, name: str):
         from quill.kernels.packed import DenseEmbedding, PackedEmbedding, pack_gguf
+        from quill.kernels.tiled import for_cpu
 
         t = self._tensor(name)
         packed = pack_gguf(t.qtype, t.shape, t.raw) if self.device == "cpu" else None
-        return PackedEmbedding(packed) if packed is not None else DenseEmbedding(self._dense(t))
+        return PackedEmbedding(for_cpu(packed)) if packed is not None else DenseEmbedding(self._dense(t))
 
     def tied_head(self, embedding):
         from quill.kernels.linear import DenseLinear

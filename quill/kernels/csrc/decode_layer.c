@@ -14,9 +14,10 @@
 
 void quill_gemv_q4(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int);
 void quill_gemv_q8(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int);
+void quill_amx_gemv(int, const void *, const float *, const float *, const float *, float *, int, int, int, void *);
 
 typedef struct {
-    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix) */
+    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3/4 = q4/q8 AMX-tiled */
     int rows, groups;
     const void *codes;
     const float *scale, *mins, *bias;
@@ -40,7 +41,7 @@ typedef struct {
     const int64_t *new_slots;   /* (B,) */
     const int64_t *ctx_slots;   /* (B, max_ctx) */
     const int64_t *ctx_lens;    /* (B,) */
-    float *h, *qkv, *attn, *gu, *act, *tmp, *scores, *sums; /* scratch */
+    float *h, *qkv, *attn, *gu, *act, *tmp, *scores, *sums, *partials; /* scratch */
 } StepArgs;
 
 
@@ -87,6 +88,7 @@ static void gemv(const QWeight *w, const float *x, float *sums, float *out, int 
     int N = w->rows, K = w->groups * 32;
     if (w->kind == 0) quill_gemv_q4(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B);
     else if (w->kind == 1) quill_gemv_q8(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B);
+    else if (w->kind >= 3) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums);
     else {
         const float *W = (const float *)w->codes;
 #pragma omp parallel for schedule(static)
@@ -118,6 +120,7 @@ static void rope(float *v, const float *cos, const float *sin, int hd) { /* rota
 }
 
 #define MAX_GROUP 16
+#define SPLIT 64          /* context positions per attention task */
 
 /* Lane j = dot(q, k_j) for eight key vectors (hd % 8 == 0): eight FMA chains, one transpose-add. */
 static inline __m256 dot8(const float *q, const float *const k[8], int hd) {
@@ -139,57 +142,126 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* One task per (row, KV head): the q heads that share that KV head read each K and V
- * vector once (grouped-query attention), so the cache is streamed once, not once per q head. */
+/* acc[g][0..32) += sum_l p[g][l] * V[l][i0 .. i0+32) for NG (1..3) q heads: 4 x NG
+ * accumulators in registers, every V vector read once. */
+static inline __attribute__((always_inline)) void v_block(const float *vc, const int64_t *slots, long l0, long l1,
+                                                          int nkv, int kvh, int hd, int i0, const float *p,
+                                                          long pstride, const int NG, float *out) {
+    __m256 a[3][4];
+    for (int g = 0; g < NG; g++)
+        for (int u = 0; u < 4; u++) a[g][u] = _mm256_setzero_ps();
+    for (long l = l0; l < l1; l++) {
+        const float *v = vc + (slots[l] * nkv + kvh) * hd + i0;
+        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                     v3 = _mm256_loadu_ps(v + 24);
+        for (int g = 0; g < NG; g++) {
+            const __m256 w = _mm256_set1_ps(p[g * pstride + l]);
+            a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
+            a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
+            a[g][2] = _mm256_fmadd_ps(w, v2, a[g][2]);
+            a[g][3] = _mm256_fmadd_ps(w, v3, a[g][3]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int u = 0; u < 4; u++) _mm256_storeu_ps(out + (long)g * hd + i0 + 8 * u, a[g][u]);
+}
+
+/* acc (group, hd) = sum over l in [l0, l1) of p[g][l] * V[l]. */
+static void v_accumulate(const float *vc, const int64_t *slots, long l0, long l1, int nkv, int kvh, int hd,
+                         const float *p, long pstride, int group, float *acc) {
+    for (int g0 = 0; g0 < group; g0 += 3) {
+        const int ng = group - g0 < 3 ? group - g0 : 3;
+        const float *pg = p + (long)g0 * pstride;
+        float *ag = acc + (long)g0 * hd;
+        int i0 = 0;
+        for (; i0 + 32 <= hd; i0 += 32) {
+            if (ng == 3) v_block(vc, slots, l0, l1, nkv, kvh, hd, i0, pg, pstride, 3, ag);
+            else if (ng == 2) v_block(vc, slots, l0, l1, nkv, kvh, hd, i0, pg, pstride, 2, ag);
+            else v_block(vc, slots, l0, l1, nkv, kvh, hd, i0, pg, pstride, 1, ag);
+        }
+        for (; i0 < hd; i0 += 8) /* hd % 32 tail, 8 floats at a time */
+            for (int g = 0; g < ng; g++) {
+                __m256 a = _mm256_setzero_ps();
+                for (long l = l0; l < l1; l++)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(pg[g * pstride + l]),
+                                        _mm256_loadu_ps(vc + (slots[l] * nkv + kvh) * hd + i0), a);
+                _mm256_storeu_ps(ag + (long)g * hd + i0, a);
+            }
+    }
+}
+
+/* One task per (row, KV head, SPLIT positions of its context): the q heads that share the KV
+ * head read each K and V vector once (grouped-query attention), and long contexts spread over
+ * all threads. Each task keeps its max, exp-sum and unnormalized output; a second pass merges
+ * the splits in order. The splits depend only on the row's own length, so a row's result is the
+ * same whatever else is in the batch. */
 static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs *s) {
     const int hd = m->head_dim, nh = m->heads, nkv = m->kv_heads, group = nh / nkv;
-    const int qkv_n = (nh + 2 * nkv) * hd;
-#pragma omp parallel for schedule(static) collapse(2)
-    for (int b = 0; b < s->batch; b++)
-        for (int kvh = 0; kvh < nkv; kvh++) {
-            const long len = s->ctx_lens[b];
-            const int64_t *slots = s->ctx_slots + (long)b * s->max_ctx;
-            const float *q0 = s->qkv + (long)b * qkv_n + (long)kvh * group * hd;
-            float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
-            float mx[MAX_GROUP], total[MAX_GROUP];
-            for (int g = 0; g < group; g++) { mx[g] = -INFINITY; total[g] = 0.f; }
-            long l0 = 0;
-            if (hd % 8 == 0) {
-                __m256 vmx[MAX_GROUP];
-                for (int g = 0; g < group; g++) vmx[g] = _mm256_set1_ps(-INFINITY);
-                for (; l0 + 8 <= len; l0 += 8) {
-                    const float *k[8];
-                    for (int j = 0; j < 8; j++) k[j] = L->k_cache + (slots[l0 + j] * nkv + kvh) * hd;
-                    for (int g = 0; g < group; g++) {
-                        __m256 v = _mm256_mul_ps(dot8(q0 + g * hd, k, hd), _mm256_set1_ps(m->scale));
-                        _mm256_storeu_ps(sc0 + g * s->max_ctx + l0, v);
-                        vmx[g] = _mm256_max_ps(vmx[g], v);
+    const int qkv_n = (nh + 2 * nkv) * hd, B = s->batch;
+    const int nsplit = (s->max_ctx + SPLIT - 1) / SPLIT;
+    const long part = (long)group * (hd + 2); /* per task: max[group], sum[group], acc[group][hd] */
+#pragma omp parallel
+    {
+#pragma omp for schedule(static) collapse(3)
+        for (int b = 0; b < B; b++)
+            for (int kvh = 0; kvh < nkv; kvh++)
+                for (int c = 0; c < nsplit; c++) {
+                    const long len = s->ctx_lens[b], l0 = (long)c * SPLIT, l1 = l0 + SPLIT < len ? l0 + SPLIT : len;
+                    if (l0 >= len) continue;
+                    const int64_t *slots = s->ctx_slots + (long)b * s->max_ctx;
+                    const float *q0 = s->qkv + (long)b * qkv_n + (long)kvh * group * hd;
+                    float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
+                    float *pt = s->partials + (((long)b * nkv + kvh) * nsplit + c) * part;
+                    float *mx = pt, *total = pt + group, *acc = pt + 2 * group;
+                    for (int g = 0; g < group; g++) mx[g] = -INFINITY;
+                    long l = l0;
+                    __m256 vmx[MAX_GROUP];
+                    for (int g = 0; g < group; g++) vmx[g] = _mm256_set1_ps(-INFINITY);
+                    for (; l + 8 <= l1; l += 8) {
+                        const float *k[8];
+                        for (int j = 0; j < 8; j++) k[j] = L->k_cache + (slots[l + j] * nkv + kvh) * hd;
+                        for (int g = 0; g < group; g++) {
+                            __m256 v = _mm256_mul_ps(dot8(q0 + g * hd, k, hd), _mm256_set1_ps(m->scale));
+                            _mm256_storeu_ps(sc0 + g * s->max_ctx + l, v);
+                            vmx[g] = _mm256_max_ps(vmx[g], v);
+                        }
                     }
+                    for (int g = 0; g < group; g++) mx[g] = hmax8(vmx[g]);
+                    for (; l < l1; l++) {
+                        const float *k = L->k_cache + (slots[l] * nkv + kvh) * hd;
+                        for (int g = 0; g < group; g++) {
+                            float v = dot(q0 + g * hd, k, hd) * m->scale;
+                            sc0[g * s->max_ctx + l] = v;
+                            if (v > mx[g]) mx[g] = v;
+                        }
+                    }
+                    for (int g = 0; g < group; g++) total[g] = exp_shift_sum(sc0 + g * s->max_ctx + l0, l1 - l0, mx[g]);
+                    v_accumulate(L->v_cache, slots, l0, l1, nkv, kvh, hd, sc0, s->max_ctx, group, acc);
                 }
-                for (int g = 0; g < group; g++) mx[g] = hmax8(vmx[g]);
-            }
-            for (long l = l0; l < len; l++) {
-                const float *k = L->k_cache + (slots[l] * nkv + kvh) * hd;
+#pragma omp for schedule(static) collapse(2)
+        for (int b = 0; b < B; b++)
+            for (int kvh = 0; kvh < nkv; kvh++) {
+                const long len = s->ctx_lens[b];
+                const int used = (int)((len + SPLIT - 1) / SPLIT);
+                const float *p0 = s->partials + ((long)b * nkv + kvh) * nsplit * part;
+                float *out0 = s->attn + (long)b * nh * hd + (long)kvh * group * hd;
                 for (int g = 0; g < group; g++) {
-                    float v = dot(q0 + g * hd, k, hd) * m->scale;
-                    sc0[g * s->max_ctx + l] = v;
-                    if (v > mx[g]) mx[g] = v;
+                    float top = -INFINITY, total = 0.f;
+                    for (int c = 0; c < used; c++) top = fmaxf(top, p0[c * part + g]);
+                    float *o = out0 + (long)g * hd;
+                    for (int i = 0; i < hd; i++) o[i] = 0.f;
+                    for (int c = 0; c < used; c++) {
+                        const float w = expf(p0[c * part + g] - top);
+                        total += w * p0[c * part + group + g];
+                        const float *a = p0 + c * part + 2 * group + (long)g * hd;
+                        for (int i = 0; i < hd; i += 8)
+                            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(a + i), _mm256_loadu_ps(o + i)));
+                    }
+                    const __m256 inv = _mm256_set1_ps(1.0f / total);
+                    for (int i = 0; i < hd; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
                 }
             }
-            for (int g = 0; g < group; g++) total[g] = exp_shift_sum(sc0 + g * s->max_ctx, len, mx[g]);
-            float *out0 = s->attn + (long)b * nh * hd + (long)kvh * group * hd;
-            for (int i = 0; i < hd; i += 8) {
-                __m256 acc[MAX_GROUP];
-                for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
-                for (long l = 0; l < len; l++) {
-                    __m256 v = _mm256_loadu_ps(L->v_cache + (slots[l] * nkv + kvh) * hd + i);
-                    for (int g = 0; g < group; g++)
-                        acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(sc0[g * s->max_ctx + l]), v, acc[g]);
-                }
-                for (int g = 0; g < group; g++)
-                    _mm256_storeu_ps(out0 + g * hd + i, _mm256_mul_ps(acc[g], _mm256_set1_ps(1.0f / total[g])));
-            }
-        }
+    }
 }
 
 void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepArgs *s, float *x) {

@@ -102,14 +102,17 @@ AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
 
 #define TILE512 8
 
+/* One row n for items [b0, b0+nb): always inlined with a constant nb (1..TILE512) so the
+ * accumulators stay in registers. Two accumulators per item (even and odd groups) hide the
+ * FMA latency; the min terms are one vector dot product after the loop. */
 #define ROW_KERNEL_512(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                     \
-    AVX512 static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,  \
-                            const float *xs, float *out, int N, int n, int G, int b0, int nb) {   \
-        /* two accumulators per item (even and odd groups) hide the FMA latency; the min terms    \
-           are one vector dot product after the loop, off the critical chain */                   \
+    AVX512 static inline __attribute__((always_inline)) void NAME##_n(                            \
+        const CODE_T *row, const float *sc, const float *mn, const float *x, const float *xs,     \
+        float *out, int N, int n, int G, int b0, const int nb) {                                  \
         __m512 acc[TILE512], acc2[TILE512];                                                       \
         for (int t = 0; t < nb; t++) { acc[t] = _mm512_setzero_ps(); acc2[t] = _mm512_setzero_ps(); } \
         const long K = (long)G * 32;                                                              \
+        const float *xb = x + (long)b0 * K;                                                       \
         int g = 0;                                                                                \
         for (; g + 2 <= G; g += 2) {                                                              \
             __m512 w[2], v[2];                                                                    \
@@ -117,7 +120,7 @@ AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
             UNPACK(row + (long)(g + 1) * BYTES_PER_GROUP, v);                                     \
             __m512 s = _mm512_set1_ps(sc[g]), s2 = _mm512_set1_ps(sc[g + 1]);                     \
             for (int t = 0; t < nb; t++) {                                                        \
-                const float *xg = x + (b0 + t) * K + (long)g * 32;                                \
+                const float *xg = xb + t * K + (long)g * 32;                                      \
                 __m512 d = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))); \
                 __m512 e = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xg + 48), _mm512_mul_ps(v[0], _mm512_loadu_ps(xg + 32))); \
                 acc[t] = _mm512_fmadd_ps(s, d, acc[t]);                                           \
@@ -129,7 +132,7 @@ AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
             UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
             __m512 s = _mm512_set1_ps(sc[g]);                                                     \
             for (int t = 0; t < nb; t++) {                                                        \
-                const float *xg = x + (b0 + t) * K + (long)g * 32;                                \
+                const float *xg = xb + t * K + (long)g * 32;                                      \
                 __m512 d = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))); \
                 acc[t] = _mm512_fmadd_ps(s, d, acc[t]);                                           \
             }                                                                                     \
@@ -143,6 +146,19 @@ AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
             for (; h < G; h++) tail += mn[h] * xst[h];                                            \
             out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]))    \
                                           + _mm512_reduce_add_ps(m) + tail;                       \
+        }                                                                                         \
+    }                                                                                             \
+    AVX512 static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,  \
+                            const float *xs, float *out, int N, int n, int G, int b0, int nb) {   \
+        switch (nb) {                                                                             \
+        case 1: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 1); break;                         \
+        case 2: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 2); break;                         \
+        case 3: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 3); break;                         \
+        case 4: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 4); break;                         \
+        case 5: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 5); break;                         \
+        case 6: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 6); break;                         \
+        case 7: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 7); break;                         \
+        default: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 8); break;                        \
         }                                                                                         \
     }
 

@@ -1,0 +1,236 @@
+/* Decode GEMV on Intel AMX tiles (TMUL int8), for CPUs that have it (Sapphire Rapids and later).
+ *
+ * Tiled layout (quill/kernels/tiled.py): rows in blocks of 16, columns in chunks of 64.
+ * One (row block, chunk) is one 16 x 64 AMX "B" tile in VNNI order: tile byte
+ * [kk][j][r] is the code of row 16*rb + j, column 64*c + 4*kk + r.
+ *   q8: the 1024 codes as signed bytes -- the tile is loaded straight from the weights.
+ *   q4: 512 bytes; byte b holds tile byte b (low nibble) and tile byte b + 512 (high).
+ * scale and mins are (N/16, G, 16): the 16 rows of a block side by side, one vector per group.
+ * value = scale * code + min, exactly the packed layout's values.
+ *
+ * Activations are split without loss into four signed bytes per element. Per item and
+ * 32-element group, with 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(30-e)) is a 31-bit
+ * integer, exact for every element >= max|x|/128 (an error of at most 2^-31 max|x|
+ * below that, far under fp32 rounding), and v = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3 with
+ * balanced digits d in [-128, 127]. The tile unit computes every digit's dot product
+ * with the codes exactly in int32; the digits are recombined and scaled in fp32.
+ *
+ * "A" tile rows per item are (half h, digit p) -> row 4h + p, 64 bytes: the digits of group
+ * 2c + h in bytes [32h, 32h + 32), zero elsewhere, so one tile product keeps the two groups
+ * of a chunk apart. Two items fill a 16-row tile.
+ *
+ * Batch invariance: an item's digits, its tile products (exact integers) and its fp32
+ * recombination are the same operations whatever the batch holds, so its output row is
+ * bit-identical alone or among others.
+ */
+#define _GNU_SOURCE /* syscall() */
+#include <immintrin.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+#define ITEMS 16 /* items per pass over a row block */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+static int cpu_has_amx(void) {
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return ((d >> 24) & 1) && ((d >> 25) & 1) && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vbmi");
+}
+
+int quill_amx_available(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        const char *off = getenv("QUILL_NO_AMX");
+        cached = 0;
+        if (!(off && off[0] == '1') && cpu_has_amx())
+            cached = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    }
+    return cached;
+}
+
+/* Two sets of tiles, used alternately so one product can run while the last is read out:
+ * C in tmm0/1, A in tmm2/3 (rows = m: 8 for one item, 16 for two), B (weights) in tmm4/5. */
+AMX static void config_tiles(int m) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) { cfg.rows[t] = t < 4 ? m : 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* x (B, K) -> digits a (K/64, Bp, 8, 64) int8, per-group 2^(e-30) in xscale (B, G), group sums xs (B, G). */
+AMX static void split_activations(const float *x, int B, int Bp, int K, int8_t *a, float *xscale, float *xs) {
+    const int G = K / 32, C = K / 64;
+    memset(a, 0, (size_t)C * Bp * 512); /* items B .. Bp-1 are padding: all digits zero */
+    for (int b = 0; b < B; b++)
+        for (int g = 0; g < G; g++) {
+            const float *p = x + (long)b * K + (long)g * 32;
+            __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
+            xs[(long)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+            float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            if (!(mx > 0.f) || !isfinite(mx)) { xscale[(long)b * G + g] = mx > 0.f ? NAN : 0.f; continue; }
+            int e;
+            frexpf(mx, &e);
+            xscale[(long)b * G + g] = ldexpf(1.f, e - 30);
+            const __m512 up = _mm512_set1_ps((float)(30 - e));
+            __m512i i0 = _mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), i1 = _mm512_cvtps_epi32(_mm512_scalef_ps(v1, up));
+            int8_t *row = a + (((long)(g / 2) * Bp + b) * 8 + (g % 2) * 4) * 64 + (g % 2) * 32;
+            for (int d = 0; d < 4; d++, row += 64) {
+                __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, 24), 24);
+                __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, 24), 24);
+                _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(d0));
+                _mm_storeu_si128((__m128i *)(row + 16), _mm512_cvtepi32_epi8(d1));
+                i0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, d0), 8);
+                i1 = _mm512_srai_epi32(_mm512_sub_epi32(i1, d1), 8);
+            }
+        }
+}
+
+/* The q4 tile of (rb, c) unpacked to 1024 bytes. */
+AMX static inline void unpack_tile_q4(const uint8_t *src, uint8_t *dst) {
+    const __m512i m = _mm512_set1_epi8(15);
+    for (int i = 0; i < 512; i += 64) {
+        __m512i v = _mm512_loadu_si512(src + i);
+        _mm512_store_si512(dst + i, _mm512_and_si512(v, m));
+        _mm512_store_si512(dst + 512 + i, _mm512_and_si512(_mm512_srli_epi16(v, 4), m));
+    }
+}
+
+/* acc += digits recombined (rows 8t .. 8t+7 of the C tile copy) times scale and xscale. */
+AMX static inline __m512 combine(__m512 acc, const int32_t *crows, const float *scale0, float xs0, float xs1) {
+    __m512 f[2];
+    for (int h = 0; h < 2; h++) {
+        const int32_t *r = crows + h * 4 * 16;
+        __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(r + 48));
+        v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(r + 32)));
+        v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(r + 16)));
+        f[h] = _mm512_fmadd_ps(v, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(r)));
+    }
+    acc = _mm512_fmadd_ps(f[0], _mm512_mul_ps(_mm512_loadu_ps(scale0), _mm512_set1_ps(xs0)), acc);
+    return _mm512_fmadd_ps(f[1], _mm512_mul_ps(_mm512_loadu_ps(scale0 + 16), _mm512_set1_ps(xs1)), acc);
+}
+
+/* One product: C tile c = A tile a (digits at `src`) x B tile w (weights), copied out to `dst`.
+ * Tile register numbers must be literals, hence a macro. */
+#define TILE_PRODUCT(c, a, w, kind, src, dst)                                  \
+    do {                                                                       \
+        _tile_zero(c);                                                         \
+        _tile_loadd(a, (src), 64);                                             \
+        if ((kind) == 0) _tile_dpbsud(c, a, w); else _tile_dpbssd(c, a, w);    \
+        _tile_stored(c, (dst), 64);                                            \
+    } while (0)
+
+AMX static inline void load_weight_tile(int kind, const void *codes, long tile, int p, uint8_t *staged) {
+    if (kind == 0) {
+        unpack_tile_q4((const uint8_t *)codes + tile * 512, staged);
+        if (p) _tile_loadd(5, staged, 64); else _tile_loadd(4, staged, 64);
+    } else {
+        const int8_t *src = (const int8_t *)codes + tile * 1024;
+        if (p) _tile_loadd(5, src, 64); else _tile_loadd(4, src, 64);
+    }
+}
+
+/* out (B, N) = x (B, K) @ W.T for a tiled weight. kind 0 = q4, 1 = q8; mins may be NULL (all zero).
+ * scratch: at least quill_amx_scratch_bytes(B, K) bytes. Items go through the tiles in
+ * pairs (a lone item in 8-row tiles when B == 1, else an odd B is padded with a zero item). */
+AMX void quill_amx_gemv(int kind, const void *codes, const float *scale, const float *mins, const float *x,
+                        float *out, int N, int K, int B, void *scratch) {
+    if (!quill_amx_available()) abort(); /* callers check first; this also requests the tile permission */
+    const int G = K / 32, C = K / 64, RB = N / 16;
+    const int Bp = B == 1 ? 1 : (B + 1) & ~1, m = B == 1 ? 8 : 16;
+    float *xs = (float *)scratch, *xscale = xs + (long)Bp * G;
+    int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)Bp * G) + 63) & ~(uintptr_t)63);
+    split_activations(x, B, Bp, K, a, xscale, xs);
+#pragma omp parallel
+    {
+        config_tiles(m);
+        _Alignas(64) uint8_t staged[2][1024];
+        _Alignas(64) int32_t ctile[2][ITEMS / 2][16 * 16];
+#pragma omp for schedule(static)
+        for (int rb = 0; rb < RB; rb++) {
+            const float *sc = scale + (long)rb * G * 16, *mn = mins ? mins + (long)rb * G * 16 : NULL;
+            for (int b0 = 0; b0 < B; b0 += ITEMS) {
+                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, pairs = (nb + 1) / 2;
+                __m512 acc[ITEMS];
+                for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
+                long op = 0; /* products issued: alternates the tile sets */
+                for (int c = 0; c <= C; c++) {
+                    const int p = c & 1;
+                    if (c < C) {
+                        load_weight_tile(kind, codes, (long)rb * C + c, p, staged[p]);
+                        const int8_t *ac = a + ((long)c * Bp + b0) * 512;
+                        for (int q = 0; q < pairs; q++, op++) {
+                            const int8_t *src = ac + (long)q * 1024;
+                            switch ((int)(op & 1) * 2 + p) {
+                            case 0: TILE_PRODUCT(0, 2, 4, kind, src, ctile[p][q]); break;
+                            case 1: TILE_PRODUCT(0, 2, 5, kind, src, ctile[p][q]); break;
+                            case 2: TILE_PRODUCT(1, 3, 4, kind, src, ctile[p][q]); break;
+                            default: TILE_PRODUCT(1, 3, 5, kind, src, ctile[p][q]); break;
+                            }
+                        }
+                    }
+                    if (c > 0) { /* read out the previous chunk while this one multiplies */
+                        const int pc = c - 1;
+                        for (int t = 0; t < nb; t++) {
+                            const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
+                            acc[t] = combine(acc[t], ctile[pc & 1][t / 2] + (t % 2) * 128, sc + (long)pc * 32, xsc[0], xsc[1]);
+                        }
+                    }
+                }
+                for (int t = 0; t < nb; t++) {
+                    __m512 v = acc[t];
+                    if (mn) {
+                        const float *xst = xs + (long)(b0 + t) * G;
+                        __m512 mv = _mm512_setzero_ps();
+                        for (int g = 0; g < G; g++) mv = _mm512_fmadd_ps(_mm512_loadu_ps(mn + (long)g * 16), _mm512_set1_ps(xst[g]), mv);
+                        v = _mm512_add_ps(v, mv);
+                    }
+                    _mm512_storeu_ps(out + (long)(b0 + t) * N + (long)rb * 16, v);
+                }
+            }
+        }
+    }
+}
+
+long quill_amx_scratch_bytes(int B, int K) { return (long)(B + 1) * (K / 32) * 8 + (long)(B + 1) * K * 8 + 128; }
+
+/* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. */
+AMX void quill_amx_dequant(int kind, const void *codes, const float *scale, const float *mins, float *out, int N, int K) {
+    const int G = K / 32, C = K / 64, RB = N / 16;
+#pragma omp parallel for schedule(static)
+    for (int rb = 0; rb < RB; rb++) {
+        _Alignas(64) uint8_t staged[1024];
+        for (int c = 0; c < C; c++) {
+            const int8_t *tile;
+            if (kind == 0) {
+                unpack_tile_q4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
+                tile = (const int8_t *)staged;
+            } else {
+                tile = (const int8_t *)codes + ((long)rb * C + c) * 1024;
+            }
+            for (int j = 0; j < 16; j++) {
+                float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
+                for (int h = 0; h < 2; h++) {
+                    const long gi = ((long)rb * G + 2 * c + h) * 16 + j;
+                    const float s = scale[gi], m = mins ? mins[gi] : 0.f;
+                    for (int k = 32 * h; k < 32 * h + 32; k++) {
+                        int code = kind == 0 ? ((const uint8_t *)tile)[(k / 4) * 64 + j * 4 + k % 4] : tile[(k / 4) * 64 + j * 4 + k % 4];
+                        o[k] = fmaf((float)code, s, m);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,104 @@
+"""The AMX tiled layout: packed weights rearranged into 16 x 64 int8 tiles for Intel AMX (TMUL).
+
+Same values as the packed layout (value = scale * code + min), only reordered, so nothing is
+lost and resident memory stays the same (less for Q8_0, whose all-zero mins are dropped). The
+kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit
+(rows % 16 or cols % 64) and CPUs without AMX keep the packed layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quill.kernels import native
+from quill.kernels.packed import GROUP, PackedWeight
+
+ROWS, CHUNK = 16, 64
+
+
+@dataclass
+class TiledWeight:
+    kind: str  # "q4" | "q8"
+    codes: torch.Tensor  # q4: (rows/16, cols/64, 512) uint8; q8: (rows/16, cols/64, 1024) int8
+    scale: torch.Tensor  # (rows/16, groups, 16) float32
+    mins: torch.Tensor | None  # like scale, or None where every min is zero
+
+    @property
+    def rows(self) -> int:
+        return self.scale.shape[0] * ROWS
+
+    @property
+    def groups(self) -> int:
+        return self.scale.shape[1]
+
+    @property
+    def cols(self) -> int:
+        return self.groups * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins) if t is not None)
+
+    def _ptrs(self):
+        return (0 if self.kind == "q4" else 1, self.codes.data_ptr(), self.scale.data_ptr(),
+                None if self.mins is None else self.mins.data_ptr())
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(self.rows, self.cols) if out is None else out
+        native.load().quill_amx_dequant(*self._ptrs(), out.data_ptr(), self.rows, self.cols)
+        return out
+
+    def gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
+        """x (B, cols) contiguous fp32 -> out (B, rows); scratch from `scratch_bytes`."""
+        native.load().quill_amx_gemv(*self._ptrs(), x.data_ptr(), out.data_ptr(), self.rows, self.cols, x.shape[0],
+                                     scratch.data_ptr())
+
+    def scratch_bytes(self, batch: int) -> int:
+        return native.load().quill_amx_scratch_bytes(batch, self.cols)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
+        block, j = ids // ROWS, ids % ROWS
+        tiles = self.codes[block]  # (T, C, 512 | 1024)
+        if self.kind == "q4":
+            tiles = torch.cat((tiles & 15, tiles >> 4), dim=-1)
+        T, C = tiles.shape[:2]
+        codes = tiles.view(T, C, 16, ROWS, 4)[torch.arange(T), :, :, j].reshape(T, self.groups, GROUP).float()
+        scale = self.scale[block, :, j][..., None]
+        values = codes * scale if self.mins is None else codes * scale + self.mins[block, :, j][..., None]
+        return values.reshape(T, self.cols)
+
+
+def available() -> bool:
+    lib = native.load()
+    return lib is not None and bool(lib.quill_amx_available())
+
+
+def _blocked(t: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    return t.reshape(rows // ROWS, ROWS, groups).transpose(1, 2).contiguous()
+
+
+def tile_weight(w: PackedWeight) -> TiledWeight | None:
+    """The tiled form of `w`, or None where the shape does not fit the tiles."""
+    if w.rows % ROWS or w.cols % CHUNK:
+        return None
+    n, k = w.rows, w.cols
+    if w.kind == "q4":
+        pairs = w.codes.view(n, w.groups, 16)
+        codes = torch.stack((pairs & 15, pairs >> 4), dim=2).reshape(n, k)
+    else:
+        codes = w.codes
+    tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
+    if w.kind == "q4":
+        tiles = tiles[..., :512] | (tiles[..., 512:] << 4)
+    mins = None if not bool(w.mins.any()) else _blocked(w.mins, n, w.groups)
+    return TiledWeight(w.kind, tiles.contiguous(), _blocked(w.scale, n, w.groups), mins)
+
+
+def for_cpu(w: PackedWeight | None) -> PackedWeight | TiledWeight | None:
+    """The layout the fastest kernel on this CPU reads: tiled where AMX is available and the shape fits."""
+    if w is None or not available():
+        return w
+    return tile_weight(w) or w
