@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,10 @@ class LLMEngine:
             num_blocks, cache.block_size, self.kv_cache.capacity_tokens, self.kv_cache.bytes_per_token / 1024,
             "fp32", num_blocks * cache.block_size * self.kv_cache.bytes_per_token / 2**20,
         )
+        # everything alive now (model, tokenizer, caches) lives as long as the engine: keep the
+        # cyclic collector from rescanning it during decode steps
+        gc.collect()
+        gc.freeze()
 
     @property
     def model_name(self) -> str:

@@ -44,7 +44,7 @@ def _qweight(linear, keep: list) -> QWeight | None:
     if isinstance(linear, PackedLinear):
         w = linear.weight
         keep.append(w)
-        kind = (0 if w.kind == "q4" else 1) + (0 if isinstance(w, PackedWeight) else 3)  # 3, 4: AMX tiled
+        kind = (0 if w.kind == "q4" else 1) if isinstance(w, PackedWeight) else 3 + w.native_kind  # 3..6: AMX tiled
         mins = None if w.mins is None else w.mins.data_ptr()
         return QWeight(kind, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(), mins, bias_ptr)
     if isinstance(linear, DenseLinear) and linear.in_features % 32 == 0 and linear.weight.dtype == torch.float32:

@@ -1,7 +1,8 @@
 """The AMX tiled layout: packed weights rearranged into 16 x 64 int8 tiles for Intel AMX (TMUL).
 
 Same values as the packed layout (value = scale * code + min), only reordered, so nothing is
-lost and resident memory stays the same (less for Q8_0, whose all-zero mins are dropped). The
+lost. Scales and mins stay fp16 where the file had them so (Q4_0, Q4_1, Q8_0) and Q8_0's
+all-zero mins are dropped, so it is smaller than the packed layout. The
 kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit
 (rows % 16 or cols % 64) and CPUs without AMX keep the packed layout.
 """
@@ -22,7 +23,7 @@ ROWS, CHUNK = 16, 64
 class TiledWeight:
     kind: str  # "q4" | "q8"
     codes: torch.Tensor  # q4: (rows/16, cols/64, 512) uint8; q8: (rows/16, cols/64, 1024) int8
-    scale: torch.Tensor  # (rows/16, groups, 16) float32
+    scale: torch.Tensor  # (rows/16, groups, 16) float16 where that is exact (Q4_0, Q4_1, Q8_0), else float32
     mins: torch.Tensor | None  # like scale, or None where every min is zero
 
     @property
@@ -41,8 +42,13 @@ class TiledWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins) if t is not None)
 
+    @property
+    def native_kind(self) -> int:
+        """The C kernel's kind: bit 0 = q8, bit 1 = fp16 scales and mins."""
+        return (0 if self.kind == "q4" else 1) | (2 if self.scale.dtype == torch.float16 else 0)
+
     def _ptrs(self):
-        return (0 if self.kind == "q4" else 1, self.codes.data_ptr(), self.scale.data_ptr(),
+        return (self.native_kind, self.codes.data_ptr(), self.scale.data_ptr(),
                 None if self.mins is None else self.mins.data_ptr())
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,8 +72,8 @@ class TiledWeight:
             tiles = torch.cat((tiles & 15, tiles >> 4), dim=-1)
         T, C = tiles.shape[:2]
         codes = tiles.view(T, C, 16, ROWS, 4)[torch.arange(T), :, :, j].reshape(T, self.groups, GROUP).float()
-        scale = self.scale[block, :, j][..., None]
-        values = codes * scale if self.mins is None else codes * scale + self.mins[block, :, j][..., None]
+        scale = self.scale[block, :, j][..., None].float()
+        values = codes * scale if self.mins is None else codes * scale + self.mins[block, :, j][..., None].float()
         return values.reshape(T, self.cols)
 
 
@@ -76,8 +82,13 @@ def available() -> bool:
     return lib is not None and bool(lib.quill_amx_available())
 
 
-def _blocked(t: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
-    return t.reshape(rows // ROWS, ROWS, groups).transpose(1, 2).contiguous()
+def _blocked(t: torch.Tensor, rows: int, groups: int, half: bool) -> torch.Tensor:
+    t = t.reshape(rows // ROWS, ROWS, groups).transpose(1, 2).contiguous()
+    return t.half() if half else t
+
+
+def _fp16_exact(*ts: torch.Tensor) -> bool:
+    return all(torch.equal(t.half().float(), t) for t in ts)
 
 
 def tile_weight(w: PackedWeight) -> TiledWeight | None:
@@ -93,8 +104,9 @@ def tile_weight(w: PackedWeight) -> TiledWeight | None:
     tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
     if w.kind == "q4":
         tiles = tiles[..., :512] | (tiles[..., 512:] << 4)
-    mins = None if not bool(w.mins.any()) else _blocked(w.mins, n, w.groups)
-    return TiledWeight(w.kind, tiles.contiguous(), _blocked(w.scale, n, w.groups), mins)
+    half = _fp16_exact(w.scale, w.mins)  # GGUF stores Q4_0/Q4_1/Q8_0 scales in fp16: no loss to keep them so
+    mins = None if not bool(w.mins.any()) else _blocked(w.mins, n, w.groups, half)
+    return TiledWeight(w.kind, tiles.contiguous(), _blocked(w.scale, n, w.groups, half), mins)
 
 
 def for_cpu(w: PackedWeight | None) -> PackedWeight | TiledWeight | None:

@@ -5,8 +5,10 @@
  * [kk][j][r] is the code of row 16*rb + j, column 64*c + 4*kk + r.
  *   q8: the 1024 codes as signed bytes -- the tile is loaded straight from the weights.
  *   q4: 512 bytes; byte b holds tile byte b (low nibble) and tile byte b + 512 (high).
- * scale and mins are (N/16, G, 16): the 16 rows of a block side by side, one vector per group.
+ * scale and mins are (N/16, G, 16): the 16 rows of a block side by side, one vector per group,
+ * in fp16 where every value is exactly an fp16 (Q4_0, Q4_1, Q8_0 store them so), else fp32.
  * value = scale * code + min, exactly the packed layout's values.
+ * kind: bit 0 set = q8 (else q4), bit 1 set = fp16 scales and mins.
  *
  * Activations are split without loss into four signed bytes per element. Per item and
  * 32-element group, with 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(30-e)) is a 31-bit
@@ -34,7 +36,8 @@
 #include <unistd.h>
 
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
-#define ITEMS 16 /* items per pass over a row block */
+#define ITEMS 16   /* items per pass over a row block */
+#define PREFETCH 4 /* weight tiles read ahead */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -108,8 +111,14 @@ AMX static inline void unpack_tile_q4(const uint8_t *src, uint8_t *dst) {
     }
 }
 
-/* acc += digits recombined (rows 8t .. 8t+7 of the C tile copy) times scale and xscale. */
-AMX static inline __m512 combine(__m512 acc, const int32_t *crows, const float *scale0, float xs0, float xs1) {
+/* 16 rows' scales (or mins) of one group. */
+AMX static inline __m512 load_group(const void *p, long group, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + group * 16)))
+                : _mm512_loadu_ps((const float *)p + group * 16);
+}
+
+/* acc += digits recombined (rows 8t .. 8t+7 of the C tile copy) times the two groups' scales and xscales. */
+AMX static inline __m512 combine(__m512 acc, const int32_t *crows, __m512 s0, __m512 s1, float xs0, float xs1) {
     __m512 f[2];
     for (int h = 0; h < 2; h++) {
         const int32_t *r = crows + h * 4 * 16;
@@ -118,8 +127,8 @@ AMX static inline __m512 combine(__m512 acc, const int32_t *crows, const float *
         v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(r + 16)));
         f[h] = _mm512_fmadd_ps(v, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(r)));
     }
-    acc = _mm512_fmadd_ps(f[0], _mm512_mul_ps(_mm512_loadu_ps(scale0), _mm512_set1_ps(xs0)), acc);
-    return _mm512_fmadd_ps(f[1], _mm512_mul_ps(_mm512_loadu_ps(scale0 + 16), _mm512_set1_ps(xs1)), acc);
+    acc = _mm512_fmadd_ps(f[0], _mm512_mul_ps(s0, _mm512_set1_ps(xs0)), acc);
+    return _mm512_fmadd_ps(f[1], _mm512_mul_ps(s1, _mm512_set1_ps(xs1)), acc);
 }
 
 /* One product: C tile c = A tile a (digits at `src`) x B tile w (weights), copied out to `dst`.
@@ -128,12 +137,15 @@ AMX static inline __m512 combine(__m512 acc, const int32_t *crows, const float *
     do {                                                                       \
         _tile_zero(c);                                                         \
         _tile_loadd(a, (src), 64);                                             \
-        if ((kind) == 0) _tile_dpbsud(c, a, w); else _tile_dpbssd(c, a, w);    \
+        if ((kind) & 1) _tile_dpbssd(c, a, w); else _tile_dpbsud(c, a, w);    \
         _tile_stored(c, (dst), 64);                                            \
     } while (0)
 
+/* Tile bytes: q4 packs a 1024-byte tile into 512. */
+static inline long tile_bytes(int kind) { return kind & 1 ? 1024 : 512; }
+
 AMX static inline void load_weight_tile(int kind, const void *codes, long tile, int p, uint8_t *staged) {
-    if (kind == 0) {
+    if (!(kind & 1)) {
         unpack_tile_q4((const uint8_t *)codes + tile * 512, staged);
         if (p) _tile_loadd(5, staged, 64); else _tile_loadd(4, staged, 64);
     } else {
@@ -142,13 +154,13 @@ AMX static inline void load_weight_tile(int kind, const void *codes, long tile, 
     }
 }
 
-/* out (B, N) = x (B, K) @ W.T for a tiled weight. kind 0 = q4, 1 = q8; mins may be NULL (all zero).
+/* out (B, N) = x (B, K) @ W.T for a tiled weight (kind as above); mins may be NULL (all zero).
  * scratch: at least quill_amx_scratch_bytes(B, K) bytes. Items go through the tiles in
  * pairs (a lone item in 8-row tiles when B == 1, else an odd B is padded with a zero item). */
-AMX void quill_amx_gemv(int kind, const void *codes, const float *scale, const float *mins, const float *x,
+AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const float *x,
                         float *out, int N, int K, int B, void *scratch) {
     if (!quill_amx_available()) abort(); /* callers check first; this also requests the tile permission */
-    const int G = K / 32, C = K / 64, RB = N / 16;
+    const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1;
     const int Bp = B == 1 ? 1 : (B + 1) & ~1, m = B == 1 ? 8 : 16;
     float *xs = (float *)scratch, *xscale = xs + (long)Bp * G;
     int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)Bp * G) + 63) & ~(uintptr_t)63);
@@ -160,7 +172,7 @@ AMX void quill_amx_gemv(int kind, const void *codes, const float *scale, const f
         _Alignas(64) int32_t ctile[2][ITEMS / 2][16 * 16];
 #pragma omp for schedule(static)
         for (int rb = 0; rb < RB; rb++) {
-            const float *sc = scale + (long)rb * G * 16, *mn = mins ? mins + (long)rb * G * 16 : NULL;
+            const long g0 = (long)rb * G; /* this block's first group in scale and mins */
             for (int b0 = 0; b0 < B; b0 += ITEMS) {
                 const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, pairs = (nb + 1) / 2;
                 __m512 acc[ITEMS];
@@ -169,6 +181,16 @@ AMX void quill_amx_gemv(int kind, const void *codes, const float *scale, const f
                 for (int c = 0; c <= C; c++) {
                     const int p = c & 1;
                     if (c < C) {
+                        /* the hardware prefetcher alone leaves the weight stream short of bandwidth */
+                        const char *ahead = (const char *)codes + ((long)rb * C + c + PREFETCH) * tile_bytes(kind);
+                        for (long i = 0; i < tile_bytes(kind); i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+                        if (c == 0 && b0 == 0) { /* and the next block's scales and mins */
+                            const long gbytes = half ? 32 : 64;
+                            for (long i = 0; i < (long)G * gbytes; i += 64) {
+                                _mm_prefetch((const char *)scale + (g0 + G) * gbytes + i, _MM_HINT_T0);
+                                if (mins) _mm_prefetch((const char *)mins + (g0 + G) * gbytes + i, _MM_HINT_T0);
+                            }
+                        }
                         load_weight_tile(kind, codes, (long)rb * C + c, p, staged[p]);
                         const int8_t *ac = a + ((long)c * Bp + b0) * 512;
                         for (int q = 0; q < pairs; q++, op++) {
@@ -183,18 +205,19 @@ AMX void quill_amx_gemv(int kind, const void *codes, const float *scale, const f
                     }
                     if (c > 0) { /* read out the previous chunk while this one multiplies */
                         const int pc = c - 1;
+                        const __m512 s0 = load_group(scale, g0 + 2 * pc, half), s1 = load_group(scale, g0 + 2 * pc + 1, half);
                         for (int t = 0; t < nb; t++) {
                             const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
-                            acc[t] = combine(acc[t], ctile[pc & 1][t / 2] + (t % 2) * 128, sc + (long)pc * 32, xsc[0], xsc[1]);
+                            acc[t] = combine(acc[t], ctile[pc & 1][t / 2] + (t % 2) * 128, s0, s1, xsc[0], xsc[1]);
                         }
                     }
                 }
                 for (int t = 0; t < nb; t++) {
                     __m512 v = acc[t];
-                    if (mn) {
+                    if (mins) {
                         const float *xst = xs + (long)(b0 + t) * G;
                         __m512 mv = _mm512_setzero_ps();
-                        for (int g = 0; g < G; g++) mv = _mm512_fmadd_ps(_mm512_loadu_ps(mn + (long)g * 16), _mm512_set1_ps(xst[g]), mv);
+                        for (int g = 0; g < G; g++) mv = _mm512_fmadd_ps(load_group(mins, g0 + g, half), _mm512_set1_ps(xst[g]), mv);
                         v = _mm512_add_ps(v, mv);
                     }
                     _mm512_storeu_ps(out + (long)(b0 + t) * N + (long)rb * 16, v);
@@ -207,14 +230,18 @@ AMX void quill_amx_gemv(int kind, const void *codes, const float *scale, const f
 long quill_amx_scratch_bytes(int B, int K) { return (long)(B + 1) * (K / 32) * 8 + (long)(B + 1) * K * 8 + 128; }
 
 /* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. */
-AMX void quill_amx_dequant(int kind, const void *codes, const float *scale, const float *mins, float *out, int N, int K) {
-    const int G = K / 32, C = K / 64, RB = N / 16;
+static inline float group_value(const void *p, long i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+AMX void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K) {
+    const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1;
 #pragma omp parallel for schedule(static)
     for (int rb = 0; rb < RB; rb++) {
         _Alignas(64) uint8_t staged[1024];
         for (int c = 0; c < C; c++) {
             const int8_t *tile;
-            if (kind == 0) {
+            if (!(kind & 1)) {
                 unpack_tile_q4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
                 tile = (const int8_t *)staged;
             } else {
@@ -224,9 +251,9 @@ AMX void quill_amx_dequant(int kind, const void *codes, const float *scale, cons
                 float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
                 for (int h = 0; h < 2; h++) {
                     const long gi = ((long)rb * G + 2 * c + h) * 16 + j;
-                    const float s = scale[gi], m = mins ? mins[gi] : 0.f;
+                    const float s = group_value(scale, gi, half), m = mins ? group_value(mins, gi, half) : 0.f;
                     for (int k = 32 * h; k < 32 * h + 32; k++) {
-                        int code = kind == 0 ? ((const uint8_t *)tile)[(k / 4) * 64 + j * 4 + k % 4] : tile[(k / 4) * 64 + j * 4 + k % 4];
+                        int code = !(kind & 1) ? ((const uint8_t *)tile)[(k / 4) * 64 + j * 4 + k % 4] : tile[(k / 4) * 64 + j * 4 + k % 4];
                         o[k] = fmaf((float)code, s, m);
                     }
                 }

@@ -14,13 +14,14 @@
 
 void quill_gemv_q4(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int);
 void quill_gemv_q8(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int);
-void quill_amx_gemv(int, const void *, const float *, const float *, const float *, float *, int, int, int, void *);
+void quill_amx_gemv(int, const void *, const void *, const void *, const float *, float *, int, int, int, void *);
 
 typedef struct {
-    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3/4 = q4/q8 AMX-tiled */
+    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 + k = AMX-tiled kind k */
     int rows, groups;
     const void *codes;
-    const float *scale, *mins, *bias;
+    const void *scale, *mins; /* fp32, or fp16 for AMX-tiled kinds with bit 1 */
+    const float *bias;
 } QWeight;
 
 typedef struct {
