@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
               "weight_bytes": quill.weight_bytes, "kv_bytes_per_token": quill.kv_bytes_per_token, "quill": {}}
     tokens = quill.sample_tokens(max(prefill + contexts))
     report["quill"] = _measure(quill, tokens, prefill, batches, contexts, args)
+    report["quill"]["gemv_kernel"] = quill.gemv_read_rate(max(args.repeats, 5))
     if args.vs == "llama.cpp":
         from quill.bench.llamacpp_ref import LlamaCppRunner
 
@@ -118,6 +119,11 @@ def _print_report(r: dict, prefill, batches, contexts) -> None:
     for key, bd in q.get("step_breakdown", {}).items():
         print(f"quill decode step {key}: {bd['step_ms']:.2f} ms = layers {bd['layers_ms']:.2f} + LM head "
               f"{bd['lm_head_ms']:.2f} + outside the model {bd['overhead_ms']:.2f} (scheduling, sampling, detokenizing)")
+    kernel = q.get("gemv_kernel")
+    if kernel:
+        print(f"decode GEMV kernel alone, batch 1 ({kernel['layout']}): {kernel['weight_bytes'] / 2**20:.1f} MiB of "
+              f"weights in {kernel['ms']:.2f} ms = {kernel['gbs']:.2f} GB/s, {kernel['gbs'] / bw * 100:.0f}% of the "
+              f"measured bandwidth")
     if len(batches) > 1 and 1 in batches:
         for ctx in contexts:
             top = max(batches)

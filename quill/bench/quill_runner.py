@@ -31,6 +31,31 @@ class QuillRunner:
         self.kv_bytes_per_token = self.engine.kv_cache.bytes_per_token
         self._ids = 0
 
+    def gemv_read_rate(self, repeats: int) -> dict | None:
+        """The decode GEMV kernel alone at batch 1 over every quantized weight (each layer's projections, then
+        the LM head), in model order as a step reads them: bytes read, ms, GB/s. None without packed weights."""
+        import torch
+
+        from quill.kernels.packed import PackedLinear
+
+        model = self.engine.loaded.model
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        if not linears or linears[0]._lib is None:
+            return None
+        xs = {lin.in_features: torch.randn(1, lin.in_features) for lin in linears}
+        scratch = torch.empty(max(lin.scratch_floats(1) for lin in linears))
+        calls = [lin.bind_gemv(xs[lin.in_features], torch.empty(1, lin.out_features), scratch) for lin in linears]
+        times = []
+        for _ in range(repeats + 1):  # the first pass warms the caches' code paths
+            t0 = time.perf_counter()
+            for call in calls:
+                call()
+            times.append(time.perf_counter() - t0)
+        nbytes = sum(lin.weight.nbytes for lin in linears)
+        seconds = statistics.median(times[1:])
+        return {"weight_bytes": nbytes, "ms": seconds * 1000, "gbs": nbytes / seconds / 1e9,
+                "layout": type(linears[0].weight).__name__}
+
     def sample_tokens(self, n: int) -> list[int]:
         ids = self.engine.tokenizer.encode(_TEXT * (n // 20 + 2), add_special_tokens=False)
         return ids[:n]

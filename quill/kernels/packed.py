@@ -8,6 +8,7 @@ Other types (F16/BF16/F32, Q6_K with its 16-element groups) stay on the dense fp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,14 +171,29 @@ class PackedLinear(nn.Module):
 
     def gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """x (B, in) contiguous -> out (B, out) rows written in place."""
+        self.bind_gemv(x, out)()
+
+    def scratch_floats(self, batch: int) -> int:
         w = self.weight
+        return batch * w.groups if isinstance(w, PackedWeight) else -(-w.scratch_bytes(batch) // 4)
+
+    def bind_gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None):
+        """The kernel call for x (B, in) -> out (B, out) with its pointers bound: call it to run. It holds
+        x, out, scratch (at least scratch_floats(B) floats; default: the shared workspace) and the weight."""
+        w = self.weight
+        if scratch is None:
+            scratch = self.workspace.sums(self.scratch_floats(x.shape[0]))
         if not isinstance(w, PackedWeight):  # a TiledWeight (AMX)
-            w.gemv(x, out, self.workspace.sums(-(-w.scratch_bytes(x.shape[0]) // 4)))
-            return
-        fn = self._lib.quill_gemv_q4 if w.kind == "q4" else self._lib.quill_gemv_q8
-        sums = self.workspace.sums(x.shape[0] * w.groups)
-        fn(w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), sums.data_ptr(),
-           out.data_ptr(), w.rows, w.groups, x.shape[0])
+            fn, args = w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], scratch.data_ptr())
+        else:
+            fn = self._lib.quill_gemv_q4 if w.kind == "q4" else self._lib.quill_gemv_q8
+            args = (w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), scratch.data_ptr(),
+                    out.data_ptr(), w.rows, w.groups, x.shape[0])
+        return functools.partial(_call_holding, fn, args, (x, out, scratch, w))
+
+
+def _call_holding(fn, args, _alive) -> None:
+    fn(*args)  # _alive keeps the tensors behind the pointers in args from being freed
 
 
 class PackedEmbedding(nn.Module):

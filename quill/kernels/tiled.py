@@ -9,6 +9,7 @@ kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,12 @@ class TiledWeight:
 
     def gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
         """x (B, cols) contiguous fp32 -> out (B, rows); scratch from `scratch_bytes`."""
-        native.load().quill_amx_gemv(*self._ptrs(), x.data_ptr(), out.data_ptr(), self.rows, self.cols, x.shape[0],
-                                     scratch.data_ptr())
+        self.kernel(x.data_ptr(), out.data_ptr(), self.rows, self.cols, x.shape[0], scratch.data_ptr())
+
+    @property
+    def kernel(self):
+        """quill_amx_gemv with this weight's arguments bound: (x, out, rows, cols, batch, scratch) pointers."""
+        return functools.partial(native.load().quill_amx_gemv, *self._ptrs())
 
     def scratch_bytes(self, batch: int) -> int:
         return native.load().quill_amx_scratch_bytes(batch, self.cols)
