@@ -191,6 +191,181 @@ static void v_accumulate(const float *vc, const int64_t *slots, long l0, long l1
     }
 }
 
+typedef struct {
+    const float *q0, *k_cache, *v_cache;
+    const int64_t *slots;
+    long l0, l1;
+    int nkv, kvh, hd, group;
+    float scale;
+    float *sc0; /* scores: row g at sc0 + g * sstride, positions l0 .. l1 */
+    long sstride;
+} Split;
+
+/* One (row, KV head, split) task: max, exp-sum and unnormalized output of each q head of the group. */
+static void attend_split_256(const Split *t, float *mx, float *total, float *acc) {
+    const int hd = t->hd, group = t->group, nkv = t->nkv, kvh = t->kvh;
+    const long l0 = t->l0, l1 = t->l1;
+    const int64_t *slots = t->slots;
+    const float *q0 = t->q0;
+    float *sc0 = t->sc0;
+    for (int g = 0; g < group; g++) mx[g] = -INFINITY;
+    long l = l0;
+    __m256 vmx[MAX_GROUP];
+    for (int g = 0; g < group; g++) vmx[g] = _mm256_set1_ps(-INFINITY);
+    for (; l + 8 <= l1; l += 8) {
+        const float *k[8];
+        for (int j = 0; j < 8; j++) k[j] = t->k_cache + (slots[l + j] * nkv + kvh) * hd;
+        for (int g = 0; g < group; g++) {
+            __m256 v = _mm256_mul_ps(dot8(q0 + g * hd, k, hd), _mm256_set1_ps(t->scale));
+            _mm256_storeu_ps(sc0 + g * t->sstride + l, v);
+            vmx[g] = _mm256_max_ps(vmx[g], v);
+        }
+    }
+    for (int g = 0; g < group; g++) mx[g] = hmax8(vmx[g]);
+    for (; l < l1; l++) {
+        const float *k = t->k_cache + (slots[l] * nkv + kvh) * hd;
+        for (int g = 0; g < group; g++) {
+            float v = dot(q0 + g * hd, k, hd) * t->scale;
+            sc0[g * t->sstride + l] = v;
+            if (v > mx[g]) mx[g] = v;
+        }
+    }
+    for (int g = 0; g < group; g++) total[g] = exp_shift_sum(sc0 + g * t->sstride + l0, l1 - l0, mx[g]);
+    v_accumulate(t->v_cache, slots, l0, l1, nkv, kvh, hd, sc0, t->sstride, group, acc);
+}
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+AVX512 static inline __m512 exp16(__m512 x) { /* exp8's polynomial, 16 lanes */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane j = sum of the lanes of a[j]: 16 dot products' partial sums reduced in one tree. */
+AVX512 static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* c[i] lane 4u + w holds keys 4i + w summed over 128-bit block u: add the four blocks */
+    __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
+
+/* acc[g][i0 .. i0+64) += sum_l p[g][l] * V[l][i0 .. i0+64) for NG (1..3) heads, 4 x NG accumulators. */
+AVX512 static inline __attribute__((always_inline)) void v_block_512(const Split *t, int i0, const float *p, const int NG,
+                                                                     float *out) {
+    __m512 a[3][4];
+    for (int g = 0; g < NG; g++)
+        for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
+    for (long l = t->l0; l < t->l1; l++) {
+        const float *v = t->v_cache + (t->slots[l] * t->nkv + t->kvh) * t->hd + i0;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        for (int g = 0; g < NG; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * t->sstride + l]);
+            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+            a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+            a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(out + (long)g * t->hd + i0 + 16 * u, a[g][u]);
+}
+
+/* attend_split_256 16 lanes wide, for head_dim % 16 == 0. */
+AVX512 static void attend_split_512(const Split *t, float *mx, float *total, float *acc) {
+    const int hd = t->hd, group = t->group, nkv = t->nkv, kvh = t->kvh;
+    const long l0 = t->l0, l1 = t->l1;
+    const __m512 scale = _mm512_set1_ps(t->scale);
+    long l = l0;
+    __m512 vmx[MAX_GROUP];
+    for (int g = 0; g < group; g++) vmx[g] = _mm512_set1_ps(-INFINITY);
+    for (; l + 16 <= l1; l += 16) {
+        const float *k[16];
+        for (int j = 0; j < 16; j++) k[j] = t->k_cache + (t->slots[l + j] * nkv + kvh) * hd;
+        /* the cache rows sit where the block table puts them: fetch the next keys, and these
+           positions' values for the second pass, ahead of use */
+        for (long j = l + 16; j < l + 32 && j < l1; j++)
+            for (int i = 0; i < hd; i += 16) _mm_prefetch((const char *)(t->k_cache + (t->slots[j] * nkv + kvh) * hd + i), _MM_HINT_T0);
+        for (long j = l; j < l + 16; j++)
+            for (int i = 0; i < hd; i += 16) _mm_prefetch((const char *)(t->v_cache + (t->slots[j] * nkv + kvh) * hd + i), _MM_HINT_T1);
+        for (int g = 0; g < group; g++) {
+            const float *q = t->q0 + g * hd;
+            __m512 a[16];
+            for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+            for (int i = 0; i < hd; i += 16) {
+                const __m512 qv = _mm512_loadu_ps(q + i);
+                for (int j = 0; j < 16; j++) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j] + i), a[j]);
+            }
+            const __m512 v = _mm512_mul_ps(reduce16(a), scale);
+            _mm512_storeu_ps(t->sc0 + g * t->sstride + l, v);
+            vmx[g] = _mm512_max_ps(vmx[g], v);
+        }
+    }
+    for (int g = 0; g < group; g++) mx[g] = _mm512_reduce_max_ps(vmx[g]);
+    for (; l < l1; l++) {
+        const float *k = t->k_cache + (t->slots[l] * nkv + kvh) * hd;
+        for (int g = 0; g < group; g++) {
+            __m512 d = _mm512_setzero_ps();
+            for (int i = 0; i < hd; i += 16) d = _mm512_fmadd_ps(_mm512_loadu_ps(t->q0 + g * hd + i), _mm512_loadu_ps(k + i), d);
+            const float v = _mm512_reduce_add_ps(d) * t->scale;
+            t->sc0[g * t->sstride + l] = v;
+            if (v > mx[g]) mx[g] = v;
+        }
+    }
+    for (int g = 0; g < group; g++) { /* exp in place and the sum, 16 lanes then the tail */
+        float *p = t->sc0 + g * t->sstride;
+        const __m512 shift = _mm512_set1_ps(mx[g]);
+        __m512 sum = _mm512_setzero_ps();
+        long i = l0;
+        for (; i + 16 <= l1; i += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + i), shift));
+            _mm512_storeu_ps(p + i, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        float tail = 0.f;
+        for (; i < l1; i++) { p[i] = expf(p[i] - mx[g]); tail += p[i]; }
+        total[g] = _mm512_reduce_add_ps(sum) + tail;
+    }
+    for (int g0 = 0; g0 < group; g0 += 3) {
+        const int ng = group - g0 < 3 ? group - g0 : 3;
+        const float *pg = t->sc0 + (long)g0 * t->sstride;
+        float *ag = acc + (long)g0 * hd;
+        int i0 = 0;
+        for (; i0 + 64 <= hd; i0 += 64) {
+            if (ng == 3) v_block_512(t, i0, pg, 3, ag);
+            else if (ng == 2) v_block_512(t, i0, pg, 2, ag);
+            else v_block_512(t, i0, pg, 1, ag);
+        }
+        for (; i0 < hd; i0 += 16) /* hd % 64 tail, 16 floats at a time */
+            for (int g = 0; g < ng; g++) {
+                __m512 a = _mm512_setzero_ps();
+                for (long j = l0; j < l1; j++)
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(pg[g * t->sstride + j]),
+                                        _mm512_loadu_ps(t->v_cache + (t->slots[j] * nkv + kvh) * hd + i0), a);
+                _mm512_storeu_ps(ag + (long)g * hd + i0, a);
+            }
+    }
+}
+
+int quill_kernel_isa(void);
+
 /* One task per (row, KV head, SPLIT positions of its context): the q heads that share the KV
  * head read each K and V vector once (grouped-query attention), and long contexts spread over
  * all threads. Each task keeps its max, exp-sum and unnormalized output; a second pass merges
@@ -201,6 +376,7 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
     const int qkv_n = (nh + 2 * nkv) * hd, B = s->batch;
     const int nsplit = (s->max_ctx + SPLIT - 1) / SPLIT;
     const long part = (long)group * (hd + 2); /* per task: max[group], sum[group], acc[group][hd] */
+    const int wide = hd % 16 == 0 && quill_kernel_isa() == 512;
 #pragma omp parallel
     {
 #pragma omp for schedule(static) collapse(3)
@@ -213,31 +389,8 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
                     const float *q0 = s->qkv + (long)b * qkv_n + (long)kvh * group * hd;
                     float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
                     float *pt = s->partials + (((long)b * nkv + kvh) * nsplit + c) * part;
-                    float *mx = pt, *total = pt + group, *acc = pt + 2 * group;
-                    for (int g = 0; g < group; g++) mx[g] = -INFINITY;
-                    long l = l0;
-                    __m256 vmx[MAX_GROUP];
-                    for (int g = 0; g < group; g++) vmx[g] = _mm256_set1_ps(-INFINITY);
-                    for (; l + 8 <= l1; l += 8) {
-                        const float *k[8];
-                        for (int j = 0; j < 8; j++) k[j] = L->k_cache + (slots[l + j] * nkv + kvh) * hd;
-                        for (int g = 0; g < group; g++) {
-                            __m256 v = _mm256_mul_ps(dot8(q0 + g * hd, k, hd), _mm256_set1_ps(m->scale));
-                            _mm256_storeu_ps(sc0 + g * s->max_ctx + l, v);
-                            vmx[g] = _mm256_max_ps(vmx[g], v);
-                        }
-                    }
-                    for (int g = 0; g < group; g++) mx[g] = hmax8(vmx[g]);
-                    for (; l < l1; l++) {
-                        const float *k = L->k_cache + (slots[l] * nkv + kvh) * hd;
-                        for (int g = 0; g < group; g++) {
-                            float v = dot(q0 + g * hd, k, hd) * m->scale;
-                            sc0[g * s->max_ctx + l] = v;
-                            if (v > mx[g]) mx[g] = v;
-                        }
-                    }
-                    for (int g = 0; g < group; g++) total[g] = exp_shift_sum(sc0 + g * s->max_ctx + l0, l1 - l0, mx[g]);
-                    v_accumulate(L->v_cache, slots, l0, l1, nkv, kvh, hd, sc0, s->max_ctx, group, acc);
+                    const Split sp = {q0, L->k_cache, L->v_cache, slots, l0, l1, nkv, kvh, hd, group, m->scale, sc0, s->max_ctx};
+                    (wide ? attend_split_512 : attend_split_256)(&sp, pt, pt + group, pt + 2 * group);
                 }
 #pragma omp for schedule(static) collapse(2)
         for (int b = 0; b < B; b++)
