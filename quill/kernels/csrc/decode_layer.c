@@ -101,13 +101,24 @@ static void gemv(const QWeight *w, const float *x, float *sums, float *out, int 
             for (int n = 0; n < N; n++) out[(long)b * N + n] += w->bias[n];
 }
 
+/* Per row: eight-lane sum of squares in a fixed order (then the H % 8 tail), one scale. */
 static void rmsnorm(const float *x, const float *w, float *out, int B, int H, float eps) {
     for (int b = 0; b < B; b++) {
         const float *xb = x + (long)b * H;
-        float ss = 0.f;
-        for (int i = 0; i < H; i++) ss += xb[i] * xb[i];
-        float r = 1.0f / sqrtf(ss / H + eps);
-        for (int i = 0; i < H; i++) out[(long)b * H + i] = xb[i] * r * w[i];
+        float *ob = out + (long)b * H;
+        __m256 acc = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= H; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xb + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (int j = i; j < H; j++) ss += xb[j] * xb[j];
+        const float r = 1.0f / sqrtf(ss / H + eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        for (i = 0; i + 8 <= H; i += 8)
+            _mm256_storeu_ps(ob + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), rv), _mm256_loadu_ps(w + i)));
+        for (; i < H; i++) ob[i] = xb[i] * r * w[i];
     }
 }
 
