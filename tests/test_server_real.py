@@ -287,8 +287,8 @@ def test_small_server_key_queue_and_sigterm_drain(tmp_path):
         assert wait_until(lambda: idle_blocks(proc), timeout=abort_deadline(proc))
         assert metric_value(proc.metrics(), "quill_requests_total", {"finish_reason": "abort"}) == 2
         # SIGTERM with a request in flight: new ones get 503, the in-flight one finishes, exit 0.
-        results = {}
-        inflight = threading.Thread(target=lambda: results.update(events=events_of(url, {**long, "max_tokens": 6}, auth)))
+        results = {}  # 200 tokens: long enough (over a second here) that the poll below sees it running
+        inflight = threading.Thread(target=lambda: results.update(events=events_of(url, {**long, "max_tokens": 200}, auth)))
         inflight.start()
         assert wait_until(lambda: metric_value(proc.metrics(), "quill_requests_running") == 1, timeout=120)
         proc.proc.send_signal(signal.SIGTERM)
