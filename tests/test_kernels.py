@@ -123,6 +123,17 @@ def test_tiled_kernel_rows_are_batch_invariant(qtype):
     assert torch.equal(lin(batch, gemv_rows=19)[:16], full)  # past one 16-item pass, odd count padded
 
 
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_tiled_kernel_propagates_nan_and_inf(qtype):
+    _, t, _ = tiled_pair(qtype)
+    lin = PackedLinear(t, None, Workspace())
+    x = torch.randn(3, t.cols, generator=torch.Generator().manual_seed(4))
+    x[0, 7], x[1, 40] = float("nan"), float("inf")
+    out = lin(x, gemv_rows=3)
+    assert out[0].isnan().all() and not out[1].isfinite().any() and out[2].isfinite().all()
+
+
 def test_concat_rows_fuses_projections():
     a, ra = packed(Q.Q4_1, rows=8, seed=1)
     b, rb = packed(Q.Q4_1, rows=5, seed=2)

@@ -12,7 +12,7 @@
  *
  * Activations are split without loss into four signed bytes per element. Per item and
  * 32-element group, with 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(30-e)) is a 31-bit
- * integer, exact for every element >= max|x|/128 (an error of at most 2^-31 max|x|
+ * integer, exact for every element >= max|x|/64 (an error of at most 2^-30 max|x|
  * below that, far under fp32 rounding), and v = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3 with
  * balanced digits d in [-128, 127]. The tile unit computes every digit's dot product
  * with the codes exactly in int32; the digits are recombined and scaled in fp32.
@@ -34,6 +34,10 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+/* AMX intrinsics need GCC 11 or clang 12; an older compiler builds the stubs at the end, so
+ * the other kernels still build and the loader keeps the packed layout. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #define ITEMS 16   /* items per pass over a row block */
@@ -82,8 +86,10 @@ AMX static void split_activations(const float *x, int B, int Bp, int K, int8_t *
             const float *p = x + (long)b * K + (long)g * 32;
             __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
             xs[(long)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+            const __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q); /* a NaN in either half */
             float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            if (!(mx > 0.f) || !isfinite(mx)) { xscale[(long)b * G + g] = mx > 0.f ? NAN : 0.f; continue; }
+            if (nan || isinf(mx)) { xscale[(long)b * G + g] = NAN; continue; } /* the output is NaN, as in fp32 */
+            if (!(mx > 0.f)) { xscale[(long)b * G + g] = 0.f; continue; }
             int e;
             frexpf(mx, &e);
             xscale[(long)b * G + g] = ldexpf(1.f, e - 30);
@@ -261,3 +267,13 @@ AMX void quill_amx_dequant(int kind, const void *codes, const void *scale, const
         }
     }
 }
+
+#else /* no AMX support in this compiler */
+
+int quill_amx_available(void) { return 0; }
+void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const float *x, float *out,
+                    int N, int K, int B, void *scratch) { abort(); }
+long quill_amx_scratch_bytes(int B, int K) { return 0; }
+void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K) { abort(); }
+
+#endif
