@@ -26,8 +26,32 @@ _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
 PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K})
 
 
+class GroupWeight:
+    """What every resident low-bit layout shares: codes, and a scale and min per 32-element group
+    (`scale` has the groups on its second axis; `mins` may be None where all are zero)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def groups(self) -> int:
+        return self.scale.shape[1]
+
+    @property
+    def cols(self) -> int:
+        return self.groups * GROUP
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scale, self.mins) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
 @dataclass
-class PackedWeight:
+class PackedWeight(GroupWeight):
     """(rows, cols) weight as codes plus per-group fp32 scale and min."""
 
     kind: str  # "q4" | "q8"
@@ -38,18 +62,6 @@ class PackedWeight:
     @property
     def rows(self) -> int:
         return self.scale.shape[0]
-
-    @property
-    def groups(self) -> int:
-        return self.scale.shape[1]
-
-    @property
-    def cols(self) -> int:
-        return self.groups * GROUP
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins))
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """(rows, cols) float32, written into `out` when given."""

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from quill.kernels import native
-from quill.kernels.packed import GROUP, PackedWeight
+from quill.kernels.packed import GROUP, GroupWeight, PackedWeight
 
 ROWS, CHUNK = 16, 64
 
 
 @dataclass
-class TiledWeight:
+class TiledWeight(GroupWeight):
     kind: str  # "q4" | "q8"
     codes: torch.Tensor  # q4: (rows/16, cols/64, 512) uint8; q8: (rows/16, cols/64, 1024) int8
     scale: torch.Tensor  # (rows/16, groups, 16) float16 where that is exact (Q4_0, Q4_1, Q8_0), else float32
@@ -30,18 +30,6 @@ class TiledWeight:
     @property
     def rows(self) -> int:
         return self.scale.shape[0] * ROWS
-
-    @property
-    def groups(self) -> int:
-        return self.scale.shape[1]
-
-    @property
-    def cols(self) -> int:
-        return self.groups * GROUP
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins) if t is not None)
 
     @property
     def native_kind(self) -> int:
@@ -56,10 +44,6 @@ class TiledWeight:
         out = torch.empty(self.rows, self.cols) if out is None else out
         native.load().quill_amx_dequant(*self._ptrs(), out.data_ptr(), self.rows, self.cols)
         return out
-
-    def gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
-        """x (B, cols) contiguous fp32 -> out (B, rows); scratch from `scratch_bytes`."""
-        self.kernel(x.data_ptr(), out.data_ptr(), self.rows, self.cols, x.shape[0], scratch.data_ptr())
 
     @property
     def kernel(self):

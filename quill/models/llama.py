@@ -16,7 +16,7 @@ from torch import nn
 from quill.config import ModelConfig
 from quill.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from quill.kernels.linear import DenseLinear
-from quill.kernels.packed import DenseEmbedding
+from quill.kernels.packed import DenseEmbedding, GroupWeight
 from quill.models.rope import RotaryEmbedding
 
 # name -> tensor getter; the loader supplies fp32 tensors
@@ -160,8 +160,8 @@ class LlamaForCausalLM(nn.Module):
         yield from self.parameters()
         for m in self.modules():
             w = getattr(m, "weight", None)
-            if w is not None and not isinstance(w, torch.Tensor):  # a PackedWeight or TiledWeight
-                yield from (t for t in (w.codes, w.scale, w.mins) if t is not None)
+            if isinstance(w, GroupWeight):  # a PackedWeight or TiledWeight
+                yield from w.tensors()
             b = getattr(m, "bias", None)
             if isinstance(b, torch.Tensor) and not isinstance(b, nn.Parameter):
                 yield b
