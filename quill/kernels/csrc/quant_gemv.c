@@ -177,60 +177,41 @@ static int use_avx512(void) {
 int quill_kernel_isa(void) { return use_avx512() ? 512 : 256; }
 
 /* out (B, N) = x (B, K) @ W.T ; xs is scratch of B*G floats. */
-void quill_gemv_q4(const uint8_t *codes, const float *scale, const float *mins, const float *x, float *xs,
-                   float *out, int N, int G, int B) {
-    group_sums(x, xs, B, G);
-    const int wide = use_avx512();
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *row = codes + (long)n * G * 16;
-        const int tile = wide ? TILE512 : TILE;
-        for (int b0 = 0; b0 < B; b0 += tile) {
-            int nb = B - b0 < tile ? B - b0 : tile;
-            (wide ? row_q4_512 : row_q4)(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb);
-        }
+#define GEMV_FN(NAME, CODE_T, BYTES_PER_GROUP, ROW, ROW512)                                          \
+    void NAME(const CODE_T *codes, const float *scale, const float *mins, const float *x, float *xs,  \
+              float *out, int N, int G, int B) {                                                     \
+        group_sums(x, xs, B, G);                                                                     \
+        const int wide = use_avx512();                                                               \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int n = 0; n < N; n++) {                                                                \
+            const CODE_T *row = codes + (long)n * G * BYTES_PER_GROUP;                               \
+            const int tile = wide ? TILE512 : TILE;                                                  \
+            for (int b0 = 0; b0 < B; b0 += tile) {                                                   \
+                int nb = B - b0 < tile ? B - b0 : tile;                                              \
+                (wide ? ROW512 : ROW)(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb); \
+            }                                                                                        \
+        }                                                                                            \
     }
-}
 
-void quill_gemv_q8(const int8_t *codes, const float *scale, const float *mins, const float *x, float *xs,
-                   float *out, int N, int G, int B) {
-    group_sums(x, xs, B, G);
-    const int wide = use_avx512();
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const int8_t *row = codes + (long)n * G * 32;
-        const int tile = wide ? TILE512 : TILE;
-        for (int b0 = 0; b0 < B; b0 += tile) {
-            int nb = B - b0 < tile ? B - b0 : tile;
-            (wide ? row_q8_512 : row_q8)(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb);
-        }
-    }
-}
+GEMV_FN(quill_gemv_q4, uint8_t, 16, row_q4, row_q4_512)
+GEMV_FN(quill_gemv_q8, int8_t, 32, row_q8, row_q8_512)
 
 /* Dequantize rows [0, N) into out (N, K) fp32: the reused tile buffer prefill GEMMs read. */
-void quill_dequant_q4(const uint8_t *codes, const float *scale, const float *mins, float *out, int N, int G) {
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
-        for (int g = 0; g < G; g++) {
-            __m256 w[4];
-            unpack_q4(codes + ((long)n * G + g) * 16, w);
-            __m256 s = _mm256_set1_ps(scale[(long)n * G + g]), m = _mm256_set1_ps(mins[(long)n * G + g]);
-            float *o = out + ((long)n * G + g) * 32;
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(w[i], s, m));
-        }
-}
+#define DEQUANT_FN(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                            \
+    void NAME(const CODE_T *codes, const float *scale, const float *mins, float *out, int N, int G) { \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int n = 0; n < N; n++)                                                                  \
+            for (int g = 0; g < G; g++) {                                                            \
+                __m256 w[4];                                                                         \
+                UNPACK(codes + ((long)n * G + g) * BYTES_PER_GROUP, w);                              \
+                __m256 s = _mm256_set1_ps(scale[(long)n * G + g]), m = _mm256_set1_ps(mins[(long)n * G + g]); \
+                float *o = out + ((long)n * G + g) * 32;                                             \
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(w[i], s, m)); \
+            }                                                                                        \
+    }
 
-void quill_dequant_q8(const int8_t *codes, const float *scale, const float *mins, float *out, int N, int G) {
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
-        for (int g = 0; g < G; g++) {
-            __m256 w[4];
-            unpack_q8(codes + ((long)n * G + g) * 32, w);
-            __m256 s = _mm256_set1_ps(scale[(long)n * G + g]), m = _mm256_set1_ps(mins[(long)n * G + g]);
-            float *o = out + ((long)n * G + g) * 32;
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(w[i], s, m));
-        }
-}
+DEQUANT_FN(quill_dequant_q4, uint8_t, 16, unpack_q4)
+DEQUANT_FN(quill_dequant_q8, int8_t, 32, unpack_q8)
 
 /* STREAM-like read bandwidth probe: sums n floats with all threads. */
 double quill_read_sum(const float *a, long n) {
