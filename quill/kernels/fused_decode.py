@@ -15,7 +15,6 @@ from quill.kernels.linear import DenseLinear
 from quill.kernels.packed import PackedLinear, PackedWeight
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-ATTENTION_SPLIT = 64  # SPLIT in decode_layer.c: context positions per attention task
 
 
 class QWeight(ctypes.Structure):
@@ -72,6 +71,7 @@ class FusedDecoder:
                                     cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                                     rope.cos.data_ptr(), rope.sin.data_ptr())
             self._scratch: dict[str, torch.Tensor] = {}
+            self._split = self.lib.quill_attention_split()  # context positions per attention task
 
     def _build_layers(self, model, kv_layers):
         layers = []
@@ -111,7 +111,7 @@ class FusedDecoder:
             self._buf("gu", B * 2 * cfg.intermediate_size).data_ptr(),
             self._buf("act", B * cfg.intermediate_size).data_ptr(), self._buf("tmp", B * cfg.hidden_size).data_ptr(),
             self._buf("scores", B * cfg.num_heads * lmax).data_ptr(), self._buf("sums", self._scratch_floats(B, widest)).data_ptr(),
-            self._buf("partials", B * cfg.num_kv_heads * (-(-lmax // ATTENTION_SPLIT))
+            self._buf("partials", B * cfg.num_kv_heads * (-(-lmax // self._split))
                       * (cfg.num_heads // cfg.num_kv_heads) * (cfg.head_dim + 2)).data_ptr(),
         )
         shape_ref, step_ref = ctypes.byref(self.shape), ctypes.byref(step)

@@ -74,6 +74,8 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.quill_decode_layer.argtypes = [P, P, P, P]
     lib.quill_decode_layer.restype = None
+    lib.quill_attention_split.argtypes = []
+    lib.quill_attention_split.restype = I
     lib.quill_kernel_isa.argtypes = []
     lib.quill_kernel_isa.restype = ctypes.c_int
     lib.quill_amx_available.argtypes = []

@@ -138,6 +138,8 @@ static void rope(float *v, const float *cos, const float *sin, int hd) { /* rota
 #define MAX_GROUP 16
 #define SPLIT 64          /* context positions per attention task */
 
+int quill_attention_split(void) { return SPLIT; } /* sizes the partials buffer in fused_decode.py */
+
 /* Lane j = dot(q, k_j) for eight key vectors (hd % 8 == 0): eight FMA chains, one transpose-add. */
 static inline __m256 dot8(const float *q, const float *const k[8], int hd) {
     __m256 a[8];
