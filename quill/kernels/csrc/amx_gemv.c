@@ -10,20 +10,22 @@
  * value = scale * code + min, exactly the packed layout's values.
  * kind: bit 0 set = q8 (else q4), bit 1 set = fp16 scales and mins.
  *
- * Activations are split without loss into four signed bytes per element. Per item and
- * 32-element group, with 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(30-e)) is a 31-bit
- * integer, exact for every element >= max|x|/64 (an error of at most 2^-30 max|x|
- * below that, far under fp32 rounding), and v = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3 with
- * balanced digits d in [-128, 127]. The tile unit computes every digit's dot product
- * with the codes exactly in int32; the digits are recombined and scaled in fp32.
+ * Activations become three signed bytes per element. Per item and 32-element group, with
+ * 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(22-e)) is an integer with |v| <= 2^22 (an error of
+ * at most 2^-22 max|x| per element: two units in the last place of the group's largest, the
+ * size of fp32's own rounding in the sum), and v = d0 + 2^8 d1 + 2^16 d2 with balanced digits
+ * d0, d1 in [-128, 127] and d2 in [-64, 64]. The tile unit computes every digit's dot product
+ * with the codes exactly in int32; the digits are recombined (in int32 where that is exact) and
+ * scaled in fp32.
  *
- * "A" tile rows per item are (half h, digit p) -> row 4h + p, 64 bytes: the digits of group
- * 2c + h in bytes [32h, 32h + 32), zero elsewhere, so one tile product keeps the two groups
- * of a chunk apart. Two items fill a 16-row tile.
+ * "A" tile rows per item are (half h, digit p) -> row 6 item + 3h + p, 64 bytes: the digits of
+ * group 2c + h in bytes [32h, 32h + 32), zero elsewhere, so one tile product keeps the two
+ * groups of a chunk apart. The rows of all items are packed 16 to a tile, an item's rows
+ * possibly straddling two tiles.
  *
- * Batch invariance: an item's digits, its tile products (exact integers) and its fp32
- * recombination are the same operations whatever the batch holds, so its output row is
- * bit-identical alone or among others.
+ * Batch invariance: an item's digits, its tile products (exact integers, whichever tile row
+ * they sit in) and its fp32 recombination are the same operations whatever the batch holds, so
+ * its output row is bit-identical alone or among others.
  */
 #define _GNU_SOURCE /* syscall() */
 #include <immintrin.h>
@@ -41,6 +43,8 @@
 
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #define ITEMS 16   /* items per pass over a row block */
+#define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
+#define MAX_TILES (ITEMS * ROWS_PER_ITEM / 16) /* A tiles per pass */
 #define PREFETCH 4 /* weight tiles read ahead */
 
 typedef struct {
@@ -68,7 +72,7 @@ int quill_amx_available(void) {
 }
 
 /* Two sets of tiles, used alternately so one product can run while the last is read out:
- * C in tmm0/1, A in tmm2/3 (rows = m: 8 for one item, 16 for two), B (weights) in tmm4/5. */
+ * C in tmm0/1, A in tmm2/3 (m rows: 6 per item up to 16), B (weights) in tmm4/5. */
 AMX static void config_tiles(int m) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -77,10 +81,13 @@ AMX static void config_tiles(int m) {
     _tile_loadconfig(&cfg);
 }
 
-/* x (B, K) -> digits a (K/64, Bp, 8, 64) int8, per-group 2^(e-30) in xscale (B, G), group sums xs (B, G). */
-AMX static void split_activations(const float *x, int B, int Bp, int K, int8_t *a, float *xscale, float *xs) {
-    const int G = K / 32, C = K / 64;
-    memset(a, 0, (size_t)C * Bp * 512); /* items B .. Bp-1 are padding: all digits zero */
+/* A tile rows: item b, half h, digit p -> row 6b + 3h + p, packed 16 to a tile (m rows when B <= 2). */
+static inline int a_rows(int B) { return B <= 2 ? ROWS_PER_ITEM * B : (ROWS_PER_ITEM * B + 15) & ~15; }
+
+/* x (B, K) -> digits a (K/64, a_rows(B), 64) int8, per-group 2^(e-22) in xscale (B, G), group sums xs (B, G). */
+AMX static void split_activations(const float *x, int B, int K, int8_t *a, float *xscale, float *xs) {
+    const int G = K / 32, C = K / 64, R = a_rows(B);
+    memset(a, 0, (size_t)C * R * 64); /* the other half of each row, and padding rows: zero */
     for (int b = 0; b < B; b++)
         for (int g = 0; g < G; g++) {
             const float *p = x + (long)b * K + (long)g * 32;
@@ -92,13 +99,14 @@ AMX static void split_activations(const float *x, int B, int Bp, int K, int8_t *
             if (!(mx > 0.f)) { xscale[(long)b * G + g] = 0.f; continue; }
             int e;
             frexpf(mx, &e);
-            xscale[(long)b * G + g] = ldexpf(1.f, e - 30);
-            const __m512 up = _mm512_set1_ps((float)(30 - e));
+            xscale[(long)b * G + g] = ldexpf(1.f, e - 22);
+            const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
             __m512i i0 = _mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), i1 = _mm512_cvtps_epi32(_mm512_scalef_ps(v1, up));
-            int8_t *row = a + (((long)(g / 2) * Bp + b) * 8 + (g % 2) * 4) * 64 + (g % 2) * 32;
-            for (int d = 0; d < 4; d++, row += 64) {
+            int8_t *row = a + ((long)(g / 2) * R + ROWS_PER_ITEM * b + 3 * (g % 2)) * 64 + (g % 2) * 32;
+            for (int d = 0; d < 3; d++, row += 64) { /* balanced digits; the last is in [-64, 64] */
                 __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, 24), 24);
                 __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, 24), 24);
+                if (d == 2) { d0 = i0; d1 = i1; }
                 _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(d0));
                 _mm_storeu_si128((__m128i *)(row + 16), _mm512_cvtepi32_epi8(d1));
                 i0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, d0), 8);
@@ -123,15 +131,16 @@ AMX static inline __m512 load_group(const void *p, long group, int half) {
                 : _mm512_loadu_ps((const float *)p + group * 16);
 }
 
-/* acc += digits recombined (rows 8t .. 8t+7 of the C tile copy) times the two groups' scales and xscales. */
-AMX static inline __m512 combine(__m512 acc, const int32_t *crows, __m512 s0, __m512 s1, float xs0, float xs1) {
+/* acc += one item's digits recombined (its 6 rows of the C tiles' copy) times the two groups'
+ * scales and xscales. q4: |C| <= 32 * 128 * 15 per digit (the top digit's 64 halves that), so
+ * C0 + 2^8 C1 + 2^16 C2 is exact in int32; q8's codes are 8x wider, so its top digit joins in fp32. */
+AMX static inline __m512 combine(__m512 acc, const int32_t *r, int q8, __m512 s0, __m512 s1, float xs0, float xs1) {
     __m512 f[2];
-    for (int h = 0; h < 2; h++) {
-        const int32_t *r = crows + h * 4 * 16;
-        __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(r + 48));
-        v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(r + 32)));
-        v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(r + 16)));
-        f[h] = _mm512_fmadd_ps(v, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(r)));
+    for (int h = 0; h < 2; h++, r += 48) {
+        const __m512i c2 = _mm512_load_si512(r + 32);
+        __m512i lo = _mm512_add_epi32(_mm512_load_si512(r), _mm512_slli_epi32(_mm512_load_si512(r + 16), 8));
+        f[h] = q8 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_set1_ps(65536.f), _mm512_cvtepi32_ps(lo))
+                  : _mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32(c2, 16)));
     }
     acc = _mm512_fmadd_ps(f[0], _mm512_mul_ps(s0, _mm512_set1_ps(xs0)), acc);
     return _mm512_fmadd_ps(f[1], _mm512_mul_ps(s1, _mm512_set1_ps(xs1)), acc);
@@ -161,26 +170,25 @@ AMX static inline void load_weight_tile(int kind, const void *codes, long tile, 
 }
 
 /* out (B, N) = x (B, K) @ W.T for a tiled weight (kind as above); mins may be NULL (all zero).
- * scratch: at least quill_amx_scratch_bytes(B, K) bytes. Items go through the tiles in
- * pairs (a lone item in 8-row tiles when B == 1, else an odd B is padded with a zero item). */
+ * scratch: at least quill_amx_scratch_bytes(B, K) bytes. Items go through in passes of 16:
+ * 96 A rows, 6 tiles (one tile of 6 or 12 rows when B is 1 or 2). */
 AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const float *x,
                         float *out, int N, int K, int B, void *scratch) {
     if (!quill_amx_available()) abort(); /* callers check first; this also requests the tile permission */
-    const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1;
-    const int Bp = B == 1 ? 1 : (B + 1) & ~1, m = B == 1 ? 8 : 16;
-    float *xs = (float *)scratch, *xscale = xs + (long)Bp * G;
-    int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)Bp * G) + 63) & ~(uintptr_t)63);
-    split_activations(x, B, Bp, K, a, xscale, xs);
+    const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1, q8 = kind & 1, R = a_rows(B);
+    float *xs = (float *)scratch, *xscale = xs + (long)B * G;
+    int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)B * G) + 63) & ~(uintptr_t)63);
+    split_activations(x, B, K, a, xscale, xs);
 #pragma omp parallel
     {
-        config_tiles(m);
+        config_tiles(R < 16 ? R : 16);
         _Alignas(64) uint8_t staged[2][1024];
-        _Alignas(64) int32_t ctile[2][ITEMS / 2][16 * 16];
+        _Alignas(64) int32_t ctile[2][MAX_TILES * 16 * 16];
 #pragma omp for schedule(static)
         for (int rb = 0; rb < RB; rb++) {
             const long g0 = (long)rb * G; /* this block's first group in scale and mins */
             for (int b0 = 0; b0 < B; b0 += ITEMS) {
-                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, pairs = (nb + 1) / 2;
+                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (ROWS_PER_ITEM * nb + 15) / 16;
                 __m512 acc[ITEMS];
                 for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
                 long op = 0; /* products issued: alternates the tile sets */
@@ -198,14 +206,15 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                             }
                         }
                         load_weight_tile(kind, codes, (long)rb * C + c, p, staged[p]);
-                        const int8_t *ac = a + ((long)c * Bp + b0) * 512;
-                        for (int q = 0; q < pairs; q++, op++) {
+                        const int8_t *ac = a + ((long)c * R + (long)ROWS_PER_ITEM * b0) * 64;
+                        for (int q = 0; q < tiles; q++, op++) {
                             const int8_t *src = ac + (long)q * 1024;
+                            int32_t *dst = ctile[p] + q * 256;
                             switch ((int)(op & 1) * 2 + p) {
-                            case 0: TILE_PRODUCT(0, 2, 4, kind, src, ctile[p][q]); break;
-                            case 1: TILE_PRODUCT(0, 2, 5, kind, src, ctile[p][q]); break;
-                            case 2: TILE_PRODUCT(1, 3, 4, kind, src, ctile[p][q]); break;
-                            default: TILE_PRODUCT(1, 3, 5, kind, src, ctile[p][q]); break;
+                            case 0: TILE_PRODUCT(0, 2, 4, kind, src, dst); break;
+                            case 1: TILE_PRODUCT(0, 2, 5, kind, src, dst); break;
+                            case 2: TILE_PRODUCT(1, 3, 4, kind, src, dst); break;
+                            default: TILE_PRODUCT(1, 3, 5, kind, src, dst); break;
                             }
                         }
                     }
@@ -214,7 +223,7 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         const __m512 s0 = load_group(scale, g0 + 2 * pc, half), s1 = load_group(scale, g0 + 2 * pc + 1, half);
                         for (int t = 0; t < nb; t++) {
                             const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
-                            acc[t] = combine(acc[t], ctile[pc & 1][t / 2] + (t % 2) * 128, s0, s1, xsc[0], xsc[1]);
+                            acc[t] = combine(acc[t], ctile[pc & 1] + t * ROWS_PER_ITEM * 16, q8, s0, s1, xsc[0], xsc[1]);
                         }
                     }
                 }
@@ -233,7 +242,7 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
     }
 }
 
-long quill_amx_scratch_bytes(int B, int K) { return (long)(B + 1) * (K / 32) * 8 + (long)(B + 1) * K * 8 + 128; }
+long quill_amx_scratch_bytes(int B, int K) { return (long)B * (K / 32) * 8 + (long)(K / 64) * a_rows(B) * 64 + 128; }
 
 /* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. */
 static inline float group_value(const void *p, long i, int half) {
