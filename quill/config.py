@@ -110,6 +110,19 @@ class ModelConfig:
         return cls.from_hf_config(json.loads(Path(path).read_text()))
 
 
+KV_CACHE_DTYPE_NAMES = ("fp32", "fp16")
+
+
+def resolve_kv_dtype(name: str, file_format: str) -> str:
+    """--kv-cache-dtype: "auto" is fp16 for a GGUF file (llama.cpp's default for the same file) and
+    fp32 for a safetensors folder (the exact path the transformers parity tests check)."""
+    if name == "auto":
+        return "fp16" if file_format == "gguf" else "fp32"
+    if name not in KV_CACHE_DTYPE_NAMES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPE_NAMES)}; got {name!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block size, memory budget and prefix caching."""
@@ -118,6 +131,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None = derived from free RAM
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact pool size
+    kv_cache_dtype: str = "auto"  # "auto" | "fp32" | "fp16" (quill.engine.kv_cache.resolve_kv_dtype)
 
 
 @dataclass(frozen=True)

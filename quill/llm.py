@@ -37,6 +37,7 @@ class LLM:
         threads: int | None = None,
         device: str = "cpu",
         quantize: str | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         config = EngineConfig(
             model=model,
@@ -44,7 +45,7 @@ class LLM:
             threads=threads,
             quantize=quantize,
             max_model_len=max_model_len,
-            cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks),
+            cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks, kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
         )
         self._init_engine(config)

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.cli_args import parse_size
-from quill.config import ModelConfig
+from quill.config import ModelConfig, resolve_kv_dtype
 from quill.models.default import default_model_path
 
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
-CPU_KV_DTYPE = "fp32"  # the CPU engine keeps K/V in fp32: no fast fp16/bf16 math on this CPU
 TORCH_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
 DEFAULT_CONTEXTS = "2k,8k,32k,128k"
 WEIGHT_SUFFIXES = ((".safetensors",), (".bin", ".pt", ".pth"))  # safetensors wins when both exist
@@ -30,6 +29,7 @@ class ModelFootprint:
     config: ModelConfig
     weight_bytes: int
     weight_source: str  # e.g. "file size" or "estimate: parameters x 2 bytes, bfloat16 from torch_dtype"
+    file_format: str = "safetensors"  # "gguf" for a .gguf file: decides the engine's default KV dtype
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -93,7 +93,7 @@ def load_footprint(model: str | None, config_path: str | None) -> ModelFootprint
     if path.is_file() and path.suffix == ".gguf":
         from quill.models.gguf import GGUFModelFile
 
-        return ModelFootprint(path.name, GGUFModelFile(path).model_config(), path.stat().st_size, "file size")
+        return ModelFootprint(path.name, GGUFModelFile(path).model_config(), path.stat().st_size, "file size", "gguf")
     if path.is_file() and path.suffix == ".json":
         return from_config_file(path)
     if path.is_dir() and (path / "config.json").is_file():
@@ -144,7 +144,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     source.add_argument("--config", help="a config.json (weights: parameter count x torch_dtype bytes)")
     parser.add_argument("--budget", help="memory budget, e.g. 8GiB, 512MiB, 2GB or bytes (default: total RAM)")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES),
-                        help=f"KV cache element type (default {CPU_KV_DTYPE}, what the CPU engine uses)")
+                        help="KV cache element type (default: what the engine's --kv-cache-dtype auto picks, "
+                             "fp16 for a GGUF file and fp32 otherwise)")
     parser.add_argument("--contexts", default=DEFAULT_CONTEXTS,
                         help="context lengths for the users table, k = 1024 tokens (default %(default)s)")
     parser.set_defaults(func=run)
@@ -161,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     budget_source = f"--budget {args.budget}" if args.budget else "total RAM"
-    kv_dtype = args.kv_dtype or CPU_KV_DTYPE
-    kv_note = kv_dtype if args.kv_dtype else f"{kv_dtype}: the CPU default, --kv-dtype to change"
+    kv_dtype = args.kv_dtype or resolve_kv_dtype("auto", footprint.file_format)
+    kv_note = kv_dtype if args.kv_dtype else f"{kv_dtype}: the engine's default for this model, --kv-dtype to change"
     if kv_dtype == "int8":
         kv_note += "; per-block scales not counted"
     for line in report_lines(footprint, budget, budget_source, kv_dtype, kv_note, contexts):

@@ -61,20 +61,21 @@ def test_hf_folder_uses_weight_file_sizes(tmp_path, capsys):
     assert run_memory("--model", str(tmp_path), "--budget", "1GiB") == 0
     out = capsys.readouterr().out
     assert "weights     3.91 KiB (size of 2 weight file(s)" in out  # 4000 bytes; the .bin is ignored
-    assert "256 KiB per token" in out and "fp32: the CPU default" in out
+    assert "256 KiB per token" in out and "fp32: the engine's default" in out
 
 
-def test_default_model_fp32_and_fp16(capsys):
+def test_default_model_fp16_and_fp32(capsys):
+    """A GGUF file gets the engine's default fp16 cache (as llama.cpp); --kv-dtype fp32 doubles it."""
     assert run_memory("--budget", "1GiB") == 0
     out = capsys.readouterr().out
-    assert "45 KiB per token (46,080 bytes" in out and "CPU default" in out
+    assert "22.5 KiB per token (23,040 bytes" in out and "fp16: the engine's default" in out
     size = memory.default_model_path().stat().st_size
     assert f"weights     {memory.fmt_bytes(size)} (file size" in out
-    capacity = (2**30 - size) // 46080
+    capacity = (2**30 - size) // 23040
     assert f"capacity    {capacity:,} tokens" in out
     assert table_row(out, 8192)[1] == capacity // 8192
-    assert run_memory("--budget", "1GiB", "--kv-dtype", "fp16") == 0
-    assert "22.5 KiB per token" in capsys.readouterr().out
+    assert run_memory("--budget", "1GiB", "--kv-dtype", "fp32") == 0
+    assert "45 KiB per token" in capsys.readouterr().out
 
 
 def test_bad_inputs_name_the_value(tmp_path, llama3_config, capsys):

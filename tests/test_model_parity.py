@@ -22,11 +22,12 @@ pytest.importorskip("transformers")
 KINDS = ["llama-gqa", "llama3-tied", "qwen2", "mistral"]
 
 
-def build_quill(hf_model, block_size=4, num_blocks=64):
+def build_quill(hf_model, block_size=4, num_blocks=64, kv_dtype=torch.float32, model=None):
     cfg = ModelConfig.from_hf_config(hf_model.config.to_dict())
-    state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-    model = LlamaForCausalLM(cfg, lambda name: state[name])
-    kv = KVCache(cfg, num_blocks, block_size)
+    if model is None:
+        state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+        model = LlamaForCausalLM(cfg, lambda name: state[name])
+    kv = KVCache(cfg, num_blocks, block_size, kv_dtype)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     return cfg, ModelRunner(model, cfg, kv, sampler=None), bm
 
@@ -65,6 +66,34 @@ def test_prefill_and_decode_match_transformers(kind, fused):
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0, -1:]
         assert (logits - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp16_kv_cache_fused_decode_matches_torch_and_stays_near_fp32(kind):
+    """With an fp16 cache the fused C decode reads the same rounded K/V as the torch path (they
+    agree to fp32 noise), and both stay within fp16's rounding of transformers' fp32 logits."""
+    hf = make_hf_model(kind)
+    cfg, fused, bm_f = build_quill(hf, kv_dtype=torch.float16)
+    _, plain, bm_t = build_quill(hf, kv_dtype=torch.float16, model=fused.model)
+    assert fused.fused is not None or native.load() is None
+    plain.fused = None
+    torch.manual_seed(2)
+    prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()
+    seq_f, seq_t = Sequence("f", prompt, SamplingParams()), Sequence("t", prompt, SamplingParams())
+    lf, lt = run_chunk(fused, bm_f, seq_f, 0, len(prompt)), run_chunk(plain, bm_t, seq_t, 0, len(prompt))
+    assert torch.equal(lf, lt)  # the same torch prefill on both
+    tokens = list(prompt)
+    for _ in range(8):
+        nxt = int(lt[-1].argmax())
+        tokens.append(nxt)
+        for seq in (seq_f, seq_t):
+            seq.append_token(nxt, 0.0)
+        lf = run_chunk(fused, bm_f, seq_f, len(tokens) - 1, 1)
+        lt = run_chunk(plain, bm_t, seq_t, len(tokens) - 1, 1)
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0, -1:]
+        assert (lf - lt).abs().max().item() < 1e-4
+        assert (lt - ref).abs().max().item() < 1e-2 * max(1.0, ref.abs().max().item())
 
 
 def test_chunked_prefill_with_prefix_matches_one_pass():

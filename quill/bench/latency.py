@@ -8,6 +8,8 @@ import statistics
 import sys
 import time
 
+from quill.config import KV_CACHE_DTYPE_NAMES
+
 PREFILL_LENGTHS = (128, 512, 2048)
 DECODE_BATCHES = (1, 4, 16)
 DECODE_CONTEXTS = (128, 1024)
@@ -24,6 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", default=",".join(map(str, PREFILL_LENGTHS)), help="prompt lengths (default 128,512,2048)")
     p.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes (default 1,4,16)")
     p.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)), help="decode contexts (default 128,1024)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPE_NAMES], default="auto",
+                   help="quill's KV cache element type (default auto: fp16 for a GGUF file, as llama.cpp keeps it)")
     p.add_argument("--json", default=None, help="write all figures to this file")
     p.set_defaults(func=run)
 
@@ -62,12 +66,13 @@ def run(args: argparse.Namespace) -> int:
 
     prefill, batches, contexts = _ints(args.prefill), _ints(args.batches), _ints(args.contexts)
     quill = QuillRunner(args.model, args.threads, max(prefill + [c + args.decode_steps + 8 for c in contexts]),
-                        max(batches))
+                        max(batches), args.kv_cache_dtype)
     threads = quill.threads
     print(f"quill bench latency: {quill.model_name}, {threads} threads, median of {args.repeats}", file=sys.stderr)
     bandwidth = measure_bandwidth(args.repeats)
     report = {"model": quill.model_name, "threads": threads, "bandwidth_gbs": bandwidth,
-              "weight_bytes": quill.weight_bytes, "kv_bytes_per_token": quill.kv_bytes_per_token, "quill": {}}
+              "weight_bytes": quill.weight_bytes, "kv_bytes_per_token": quill.kv_bytes_per_token,
+              "kv_cache_dtype": quill.kv_cache_dtype, "quill": {}}
     tokens = quill.sample_tokens(max(prefill + contexts))
     report["quill"] = _measure(quill, tokens, prefill, batches, contexts, args)
     report["quill"]["gemv_kernel"] = quill.gemv_read_rate(max(args.repeats, 5))
@@ -103,7 +108,7 @@ def _print_report(r: dict, prefill, batches, contexts) -> None:
     has_ref = "llama.cpp" in r
     print(f"model {r['model']}, {r['threads']} threads; measured read bandwidth {bw:.2f} GB/s")
     print(f"bytes per decode step: weights {r['weight_bytes'] / 2**20:.1f} MiB + KV {r['kv_bytes_per_token'] / 1024:.1f} KiB x "
-          f"context x batch")
+          f"context x batch ({r['kv_cache_dtype']} KV cache)")
     head = f"{'figure':<26}{'quill':>10}" + (f"{'llama.cpp':>12}{'ratio':>8}" if has_ref else "") + f"{'GB/s':>8}{'roofline':>10}"
     print(head)
     q = r["quill"]

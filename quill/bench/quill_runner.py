@@ -16,11 +16,12 @@ _TEXT = ("The history of computing is a story of people, machines and ideas. Eng
 class QuillRunner:
     """An engine with room for `max_batch` sequences of `max_len` tokens, prefix cache off."""
 
-    def __init__(self, model: str | None, threads: int | None, max_len: int, max_batch: int):
+    def __init__(self, model: str | None, threads: int | None, max_len: int, max_batch: int, kv_cache_dtype: str = "auto"):
         blocks = max_batch * (-(-(max_len + 64) // 16)) + 8
         cfg = EngineConfig(
             model=model, threads=threads, max_model_len=None,
-            cache=CacheConfig(block_size=16, enable_prefix_caching=False, num_blocks_override=blocks),
+            cache=CacheConfig(block_size=16, enable_prefix_caching=False, num_blocks_override=blocks,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max(max_batch, 16)),
         )
         self.engine = LLMEngine(cfg)
@@ -29,6 +30,7 @@ class QuillRunner:
         self.model_path = self.engine.loaded.path
         self.weight_bytes = self.engine.loaded.model.resident_bytes()
         self.kv_bytes_per_token = self.engine.kv_cache.bytes_per_token
+        self.kv_cache_dtype = self.engine.kv_cache_dtype
         self._ids = 0
 
     def gemv_read_rate(self, repeats: int) -> dict | None:

@@ -7,10 +7,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from quill.config import EngineConfig
+from quill.config import EngineConfig, resolve_kv_dtype
 from quill.engine.block_manager import BlockManager
 from quill.engine.errors import AdmissionError
-from quill.engine.kv_cache import KVCache, num_blocks_for
+from quill.engine.kv_cache import KV_CACHE_DTYPES, KVCache, num_blocks_for
 from quill.engine.metrics import now
 from quill.engine.model_runner import ModelRunner
 from quill.engine.request_state import RequestState
@@ -50,8 +50,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         cache = config.cache
-        num_blocks = num_blocks_for(cache, self.model_config)
-        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, device=config.device)
+        self.kv_cache_dtype = resolve_kv_dtype(cache.kv_cache_dtype, self.loaded.file_format)
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        num_blocks = num_blocks_for(cache, self.model_config, dtype.itemsize)
+        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, dtype, device=config.device)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)))
@@ -66,7 +68,7 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token (%s), %.1f MiB",
             num_blocks, cache.block_size, self.kv_cache.capacity_tokens, self.kv_cache.bytes_per_token / 1024,
-            "fp32", num_blocks * cache.block_size * self.kv_cache.bytes_per_token / 2**20,
+            self.kv_cache_dtype, num_blocks * cache.block_size * self.kv_cache.bytes_per_token / 2**20,
         )
         # everything alive now (model, tokenizer, caches) lives as long as the engine: keep the
         # cyclic collector from rescanning it during decode steps

@@ -10,6 +10,7 @@ from quill.config import CacheConfig, ModelConfig
 
 DEFAULT_FRACTION_OF_FREE_RAM = 0.25
 DEFAULT_MAX_KV_BYTES = 2 << 30
+KV_CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}  # names as in config.KV_CACHE_DTYPE_NAMES
 
 
 def available_memory_bytes() -> int:

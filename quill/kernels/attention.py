@@ -40,9 +40,10 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-    """k_cache/v_cache (num_slots, KVH, hd); k/v (T, KVH, hd); slots (T,)."""
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
+    """k_cache/v_cache (num_slots, KVH, hd); k/v (T, KVH, hd); slots (T,). An fp16 cache stores
+    k/v rounded to nearest (as the fused decode kernel does)."""
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -57,16 +58,16 @@ def paged_attention(
     gqa = num_heads != num_kv
     for span in meta.prefills:
         qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, hd)
-        ks = k_cache[span.ctx_slots].transpose(0, 1).unsqueeze(0)  # (1, KVH, ctx, hd)
-        vs = v_cache[span.ctx_slots].transpose(0, 1).unsqueeze(0)
+        ks = k_cache[span.ctx_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # (1, KVH, ctx, hd)
+        vs = v_cache[span.ctx_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=gqa
         )  # (1, H, q, hd)
         out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
     if meta.decode_rows is not None:
         qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, H, 1, hd)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # (Bd, KVH, Lmax, hd)
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        kd = k_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)  # (Bd, KVH, Lmax, hd)
+        vd = v_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out[meta.decode_rows] = o.squeeze(2)
     return out

@@ -28,7 +28,7 @@ class LayerWeights(ctypes.Structure):
 
 class ModelShape(ctypes.Structure):
     _fields_ = [("hidden", I), ("heads", I), ("kv_heads", I), ("head_dim", I), ("inter", I), ("eps", F),
-                ("scale", F), ("cos", P), ("sin", P)]
+                ("scale", F), ("kv16", I), ("cos", P), ("sin", P)]
 
 
 class StepArgs(ctypes.Structure):
@@ -69,7 +69,7 @@ class FusedDecoder:
             rope = model.rope
             self.shape = ModelShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
-                                    rope.cos.data_ptr(), rope.sin.data_ptr())
+                                    int(kv_layers[0][0].dtype == torch.float16), rope.cos.data_ptr(), rope.sin.data_ptr())
             self._scratch: dict[str, torch.Tensor] = {}
             self._split = self.lib.quill_attention_split()  # context positions per attention task
 
@@ -78,7 +78,7 @@ class FusedDecoder:
         for layer, (k, v) in zip(model.layers, kv_layers):
             a, m = layer.self_attn, layer.mlp
             ws = [_qweight(x, self._keep) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-            if any(w is None for w in ws) or not (k.is_contiguous() and k.dtype == torch.float32):
+            if any(w is None for w in ws) or not (k.is_contiguous() and k.dtype in (torch.float32, torch.float16)):
                 return None
             layers.append(LayerWeights(layer.input_layernorm.weight.data_ptr(),
                                        layer.post_attention_layernorm.weight.data_ptr(), *ws,

@@ -27,12 +27,13 @@ typedef struct {
 typedef struct {
     const float *norm1, *norm2;
     QWeight qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* (slots, kv_heads, head_dim) */
+    void *k_cache, *v_cache; /* (slots, kv_heads, head_dim), float or fp16 as ModelShape.kv16 says */
 } LayerWeights;
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
+    int kv16; /* the KV cache holds fp16 (else fp32) */
     const float *cos, *sin; /* (positions, head_dim) */
 } ModelShape;
 
@@ -140,19 +141,6 @@ static void rope(float *v, const float *cos, const float *sin, int hd) { /* rota
 
 int quill_attention_split(void) { return SPLIT; } /* sizes the partials buffer in fused_decode.py */
 
-/* Lane j = dot(q, k_j) for eight key vectors (hd % 8 == 0): eight FMA chains, one transpose-add. */
-static inline __m256 dot8(const float *q, const float *const k[8], int hd) {
-    __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (int i = 0; i < hd; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
-    }
-    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -160,56 +148,9 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* acc[g][0..32) += sum_l p[g][l] * V[l][i0 .. i0+32) for NG (1..3) q heads: 4 x NG
- * accumulators in registers, every V vector read once. */
-static inline __attribute__((always_inline)) void v_block(const float *vc, const int64_t *slots, long l0, long l1,
-                                                          int nkv, int kvh, int hd, int i0, const float *p,
-                                                          long pstride, const int NG, float *out) {
-    __m256 a[3][4];
-    for (int g = 0; g < NG; g++)
-        for (int u = 0; u < 4; u++) a[g][u] = _mm256_setzero_ps();
-    for (long l = l0; l < l1; l++) {
-        const float *v = vc + (slots[l] * nkv + kvh) * hd + i0;
-        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
-                     v3 = _mm256_loadu_ps(v + 24);
-        for (int g = 0; g < NG; g++) {
-            const __m256 w = _mm256_set1_ps(p[g * pstride + l]);
-            a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
-            a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
-            a[g][2] = _mm256_fmadd_ps(w, v2, a[g][2]);
-            a[g][3] = _mm256_fmadd_ps(w, v3, a[g][3]);
-        }
-    }
-    for (int g = 0; g < NG; g++)
-        for (int u = 0; u < 4; u++) _mm256_storeu_ps(out + (long)g * hd + i0 + 8 * u, a[g][u]);
-}
-
-/* acc (group, hd) = sum over l in [l0, l1) of p[g][l] * V[l]. */
-static void v_accumulate(const float *vc, const int64_t *slots, long l0, long l1, int nkv, int kvh, int hd,
-                         const float *p, long pstride, int group, float *acc) {
-    for (int g0 = 0; g0 < group; g0 += 3) {
-        const int ng = group - g0 < 3 ? group - g0 : 3;
-        const float *pg = p + (long)g0 * pstride;
-        float *ag = acc + (long)g0 * hd;
-        int i0 = 0;
-        for (; i0 + 32 <= hd; i0 += 32) {
-            if (ng == 3) v_block(vc, slots, l0, l1, nkv, kvh, hd, i0, pg, pstride, 3, ag);
-            else if (ng == 2) v_block(vc, slots, l0, l1, nkv, kvh, hd, i0, pg, pstride, 2, ag);
-            else v_block(vc, slots, l0, l1, nkv, kvh, hd, i0, pg, pstride, 1, ag);
-        }
-        for (; i0 < hd; i0 += 8) /* hd % 32 tail, 8 floats at a time */
-            for (int g = 0; g < ng; g++) {
-                __m256 a = _mm256_setzero_ps();
-                for (long l = l0; l < l1; l++)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(pg[g * pstride + l]),
-                                        _mm256_loadu_ps(vc + (slots[l] * nkv + kvh) * hd + i0), a);
-                _mm256_storeu_ps(ag + (long)g * hd + i0, a);
-            }
-    }
-}
-
 typedef struct {
-    const float *q0, *k_cache, *v_cache;
+    const float *q0;
+    const void *k_cache, *v_cache; /* float or fp16 (uint16_t) elements */
     const int64_t *slots;
     long l0, l1;
     int nkv, kvh, hd, group;
@@ -217,39 +158,6 @@ typedef struct {
     float *sc0; /* scores: row g at sc0 + g * sstride, positions l0 .. l1 */
     long sstride;
 } Split;
-
-/* One (row, KV head, split) task: max, exp-sum and unnormalized output of each q head of the group. */
-static void attend_split_256(const Split *t, float *mx, float *total, float *acc) {
-    const int hd = t->hd, group = t->group, nkv = t->nkv, kvh = t->kvh;
-    const long l0 = t->l0, l1 = t->l1;
-    const int64_t *slots = t->slots;
-    const float *q0 = t->q0;
-    float *sc0 = t->sc0;
-    for (int g = 0; g < group; g++) mx[g] = -INFINITY;
-    long l = l0;
-    __m256 vmx[MAX_GROUP];
-    for (int g = 0; g < group; g++) vmx[g] = _mm256_set1_ps(-INFINITY);
-    for (; l + 8 <= l1; l += 8) {
-        const float *k[8];
-        for (int j = 0; j < 8; j++) k[j] = t->k_cache + (slots[l + j] * nkv + kvh) * hd;
-        for (int g = 0; g < group; g++) {
-            __m256 v = _mm256_mul_ps(dot8(q0 + g * hd, k, hd), _mm256_set1_ps(t->scale));
-            _mm256_storeu_ps(sc0 + g * t->sstride + l, v);
-            vmx[g] = _mm256_max_ps(vmx[g], v);
-        }
-    }
-    for (int g = 0; g < group; g++) mx[g] = hmax8(vmx[g]);
-    for (; l < l1; l++) {
-        const float *k = t->k_cache + (slots[l] * nkv + kvh) * hd;
-        for (int g = 0; g < group; g++) {
-            float v = dot(q0 + g * hd, k, hd) * t->scale;
-            sc0[g * t->sstride + l] = v;
-            if (v > mx[g]) mx[g] = v;
-        }
-    }
-    for (int g = 0; g < group; g++) total[g] = exp_shift_sum(sc0 + g * t->sstride + l0, l1 - l0, mx[g]);
-    v_accumulate(t->v_cache, slots, l0, l1, nkv, kvh, hd, sc0, t->sstride, group, acc);
-}
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
@@ -279,103 +187,17 @@ AVX512 static inline __m512 reduce16(const __m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
 }
 
-/* acc[g][i0 .. i0+64) += sum_l p[g][l] * V[l][i0 .. i0+64) for NG (1..3) heads, 4 x NG accumulators. */
-AVX512 static inline __attribute__((always_inline)) void v_block_512(const Split *t, int i0, const float *p, const int NG,
-                                                                     float *out) {
-    __m512 a[3][4];
-    for (int g = 0; g < NG; g++)
-        for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
-    for (long l = t->l0; l < t->l1; l++) {
-        const float *v = t->v_cache + (t->slots[l] * t->nkv + t->kvh) * t->hd + i0;
-        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                     v3 = _mm512_loadu_ps(v + 48);
-        for (int g = 0; g < NG; g++) {
-            const __m512 w = _mm512_set1_ps(p[g * t->sstride + l]);
-            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
-            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
-            a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
-            a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
-        }
-    }
-    for (int g = 0; g < NG; g++)
-        for (int u = 0; u < 4; u++) _mm512_storeu_ps(out + (long)g * t->hd + i0 + 16 * u, a[g][u]);
-}
+#define KV_T float
+#define KV_NAME(f) f##_f32
+#define KV_LOAD8(p) _mm256_loadu_ps(p)
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#include "attend_kv.h"
 
-/* attend_split_256 16 lanes wide, for head_dim % 16 == 0. */
-AVX512 static void attend_split_512(const Split *t, float *mx, float *total, float *acc) {
-    const int hd = t->hd, group = t->group, nkv = t->nkv, kvh = t->kvh;
-    const long l0 = t->l0, l1 = t->l1;
-    const __m512 scale = _mm512_set1_ps(t->scale);
-    long l = l0;
-    __m512 vmx[MAX_GROUP];
-    for (int g = 0; g < group; g++) vmx[g] = _mm512_set1_ps(-INFINITY);
-    for (; l + 16 <= l1; l += 16) {
-        const float *k[16];
-        for (int j = 0; j < 16; j++) k[j] = t->k_cache + (t->slots[l + j] * nkv + kvh) * hd;
-        /* the cache rows sit where the block table puts them: fetch the next keys, and these
-           positions' values for the second pass, ahead of use */
-        for (long j = l + 16; j < l + 32 && j < l1; j++)
-            for (int i = 0; i < hd; i += 16) _mm_prefetch((const char *)(t->k_cache + (t->slots[j] * nkv + kvh) * hd + i), _MM_HINT_T0);
-        for (long j = l; j < l + 16; j++)
-            for (int i = 0; i < hd; i += 16) _mm_prefetch((const char *)(t->v_cache + (t->slots[j] * nkv + kvh) * hd + i), _MM_HINT_T1);
-        for (int g = 0; g < group; g++) {
-            const float *q = t->q0 + g * hd;
-            __m512 a[16];
-            for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
-            for (int i = 0; i < hd; i += 16) {
-                const __m512 qv = _mm512_loadu_ps(q + i);
-                for (int j = 0; j < 16; j++) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j] + i), a[j]);
-            }
-            const __m512 v = _mm512_mul_ps(reduce16(a), scale);
-            _mm512_storeu_ps(t->sc0 + g * t->sstride + l, v);
-            vmx[g] = _mm512_max_ps(vmx[g], v);
-        }
-    }
-    for (int g = 0; g < group; g++) mx[g] = _mm512_reduce_max_ps(vmx[g]);
-    for (; l < l1; l++) {
-        const float *k = t->k_cache + (t->slots[l] * nkv + kvh) * hd;
-        for (int g = 0; g < group; g++) {
-            __m512 d = _mm512_setzero_ps();
-            for (int i = 0; i < hd; i += 16) d = _mm512_fmadd_ps(_mm512_loadu_ps(t->q0 + g * hd + i), _mm512_loadu_ps(k + i), d);
-            const float v = _mm512_reduce_add_ps(d) * t->scale;
-            t->sc0[g * t->sstride + l] = v;
-            if (v > mx[g]) mx[g] = v;
-        }
-    }
-    for (int g = 0; g < group; g++) { /* exp in place and the sum, 16 lanes then the tail */
-        float *p = t->sc0 + g * t->sstride;
-        const __m512 shift = _mm512_set1_ps(mx[g]);
-        __m512 sum = _mm512_setzero_ps();
-        long i = l0;
-        for (; i + 16 <= l1; i += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + i), shift));
-            _mm512_storeu_ps(p + i, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        float tail = 0.f;
-        for (; i < l1; i++) { p[i] = expf(p[i] - mx[g]); tail += p[i]; }
-        total[g] = _mm512_reduce_add_ps(sum) + tail;
-    }
-    for (int g0 = 0; g0 < group; g0 += 3) {
-        const int ng = group - g0 < 3 ? group - g0 : 3;
-        const float *pg = t->sc0 + (long)g0 * t->sstride;
-        float *ag = acc + (long)g0 * hd;
-        int i0 = 0;
-        for (; i0 + 64 <= hd; i0 += 64) {
-            if (ng == 3) v_block_512(t, i0, pg, 3, ag);
-            else if (ng == 2) v_block_512(t, i0, pg, 2, ag);
-            else v_block_512(t, i0, pg, 1, ag);
-        }
-        for (; i0 < hd; i0 += 16) /* hd % 64 tail, 16 floats at a time */
-            for (int g = 0; g < ng; g++) {
-                __m512 a = _mm512_setzero_ps();
-                for (long j = l0; j < l1; j++)
-                    a = _mm512_fmadd_ps(_mm512_set1_ps(pg[g * t->sstride + j]),
-                                        _mm512_loadu_ps(t->v_cache + (t->slots[j] * nkv + kvh) * hd + i0), a);
-                _mm512_storeu_ps(ag + (long)g * hd + i0, a);
-            }
-    }
-}
+#define KV_T uint16_t
+#define KV_NAME(f) f##_f16
+#define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#include "attend_kv.h"
 
 int quill_kernel_isa(void);
 
@@ -403,7 +225,8 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
                     float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
                     float *pt = s->partials + (((long)b * nkv + kvh) * nsplit + c) * part;
                     const Split sp = {q0, L->k_cache, L->v_cache, slots, l0, l1, nkv, kvh, hd, group, m->scale, sc0, s->max_ctx};
-                    (wide ? attend_split_512 : attend_split_256)(&sp, pt, pt + group, pt + 2 * group);
+                    if (m->kv16) (wide ? attend_split_512_f16 : attend_split_256_f16)(&sp, pt, pt + group, pt + 2 * group);
+                    else (wide ? attend_split_512_f32 : attend_split_256_f32)(&sp, pt, pt + group, pt + 2 * group);
                 }
 #pragma omp for schedule(static) collapse(2)
         for (int b = 0; b < B; b++)
@@ -441,8 +264,14 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
         const float *c = m->cos + s->positions[b] * hd, *sn = m->sin + s->positions[b] * hd;
         for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, c, sn, hd); /* q heads then k heads */
         const float *k = row + nh * hd, *v = k + nkv * hd;
-        float *kd = L->k_cache + s->new_slots[b] * nkv * hd, *vd = L->v_cache + s->new_slots[b] * nkv * hd;
-        for (int i = 0; i < nkv * hd; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+        const long at = s->new_slots[b] * nkv * hd;
+        if (m->kv16) { /* round to nearest even, as torch's .half() does on the prefill path */
+            uint16_t *kd = (uint16_t *)L->k_cache + at, *vd = (uint16_t *)L->v_cache + at;
+            for (int i = 0; i < nkv * hd; i++) { kd[i] = _cvtss_sh(k[i], 0); vd[i] = _cvtss_sh(v[i], 0); }
+        } else {
+            float *kd = (float *)L->k_cache + at, *vd = (float *)L->v_cache + at;
+            for (int i = 0; i < nkv * hd; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+        }
     }
     attention(m, L, s);
     gemv(&L->o, s->attn, s->sums, s->tmp, B);
