@@ -84,35 +84,38 @@ AMX static void config_tiles(int m) {
 /* A tile rows: item b, half h, digit p -> row 6b + 3h + p, packed 16 to a tile (m rows when B <= 2). */
 static inline int a_rows(int B) { return B <= 2 ? ROWS_PER_ITEM * B : (ROWS_PER_ITEM * B + 15) & ~15; }
 
-/* x (B, K) -> digits a (K/64, a_rows(B), 64) int8, per-group 2^(e-22) in xscale (B, G), group sums xs (B, G). */
-AMX static void split_activations(const float *x, int B, int K, int8_t *a, float *xscale, float *xs) {
-    const int G = K / 32, C = K / 64, R = a_rows(B);
-    memset(a, 0, (size_t)C * R * 64); /* the other half of each row, and padding rows: zero */
-    for (int b = 0; b < B; b++)
-        for (int g = 0; g < G; g++) {
-            const float *p = x + (long)b * K + (long)g * 32;
-            __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
-            xs[(long)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-            const __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q); /* a NaN in either half */
-            float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            if (nan || isinf(mx)) { xscale[(long)b * G + g] = NAN; continue; } /* the output is NaN, as in fp32 */
-            if (!(mx > 0.f)) { xscale[(long)b * G + g] = 0.f; continue; }
-            int e;
-            frexpf(mx, &e);
-            xscale[(long)b * G + g] = ldexpf(1.f, e - 22);
-            const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
-            __m512i i0 = _mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), i1 = _mm512_cvtps_epi32(_mm512_scalef_ps(v1, up));
-            int8_t *row = a + ((long)(g / 2) * R + ROWS_PER_ITEM * b + 3 * (g % 2)) * 64 + (g % 2) * 32;
-            for (int d = 0; d < 3; d++, row += 64) { /* balanced digits; the last is in [-64, 64] */
-                __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, 24), 24);
-                __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, 24), 24);
-                if (d == 2) { d0 = i0; d1 = i1; }
-                _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(d0));
-                _mm_storeu_si128((__m128i *)(row + 16), _mm512_cvtepi32_epi8(d1));
-                i0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, d0), 8);
-                i1 = _mm512_srai_epi32(_mm512_sub_epi32(i1, d1), 8);
-            }
+/* Item b's chunk c of x (B, K) -> its 6 rows of digits in a (K/64, a_rows(B), 64) int8, the two
+ * groups' 2^(e-22) in xscale (B, G) and sums in xs (B, G). Chunks are independent, so the threads
+ * split them; the item's padding rows (past the last item) are zeroed with the last item's chunk. */
+AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *a, float *xscale, float *xs) {
+    const int G = K / 32, R = a_rows(B);
+    int8_t *rows = a + ((long)c * R + ROWS_PER_ITEM * b) * 64;
+    memset(rows, 0, (size_t)(b == B - 1 ? R - ROWS_PER_ITEM * b : ROWS_PER_ITEM) * 64);
+    for (int h = 0; h < 2; h++) {
+        const int g = 2 * c + h;
+        const float *p = x + (long)b * K + (long)g * 32;
+        __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
+        xs[(long)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        const __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q); /* a NaN in either half */
+        float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        if (nan || isinf(mx)) { xscale[(long)b * G + g] = NAN; continue; } /* the output is NaN, as in fp32 */
+        if (!(mx > 0.f)) { xscale[(long)b * G + g] = 0.f; continue; }
+        int e;
+        frexpf(mx, &e);
+        xscale[(long)b * G + g] = ldexpf(1.f, e - 22);
+        const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
+        __m512i i0 = _mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), i1 = _mm512_cvtps_epi32(_mm512_scalef_ps(v1, up));
+        int8_t *row = rows + 3 * h * 64 + h * 32;
+        for (int d = 0; d < 3; d++, row += 64) { /* balanced digits; the last is in [-64, 64] */
+            __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, 24), 24);
+            __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, 24), 24);
+            if (d == 2) { d0 = i0; d1 = i1; }
+            _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(d0));
+            _mm_storeu_si128((__m128i *)(row + 16), _mm512_cvtepi32_epi8(d1));
+            i0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, d0), 8);
+            i1 = _mm512_srai_epi32(_mm512_sub_epi32(i1, d1), 8);
         }
+    }
 }
 
 /* The q4 tile of (rb, c) unpacked to 1024 bytes. */
@@ -178,9 +181,12 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
     const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1, q8 = kind & 1, R = a_rows(B);
     float *xs = (float *)scratch, *xscale = xs + (long)B * G;
     int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)B * G) + 63) & ~(uintptr_t)63);
-    split_activations(x, B, K, a, xscale, xs);
 #pragma omp parallel
     {
+#pragma omp for collapse(2) schedule(static)
+        for (int b = 0; b < B; b++)
+            for (int c = 0; c < C; c++) split_chunk(x, B, b, c, K, a, xscale, xs);
+        /* (the loop's barrier: every digit is written before any product) */
         config_tiles(R < 16 ? R : 16);
         _Alignas(64) uint8_t staged[2][1024];
         _Alignas(64) int32_t ctile[2][MAX_TILES * 16 * 16];
@@ -227,16 +233,12 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         }
                     }
                 }
-                for (int t = 0; t < nb; t++) {
-                    __m512 v = acc[t];
-                    if (mins) {
-                        const float *xst = xs + (long)(b0 + t) * G;
-                        __m512 mv = _mm512_setzero_ps();
-                        for (int g = 0; g < G; g++) mv = _mm512_fmadd_ps(load_group(mins, g0 + g, half), _mm512_set1_ps(xst[g]), mv);
-                        v = _mm512_add_ps(v, mv);
+                if (mins) /* each group's mins times the item's group sum, loaded once for all items */
+                    for (int g = 0; g < G; g++) {
+                        const __m512 mg = load_group(mins, g0 + g, half);
+                        for (int t = 0; t < nb; t++) acc[t] = _mm512_fmadd_ps(mg, _mm512_set1_ps(xs[(long)(b0 + t) * G + g]), acc[t]);
                     }
-                    _mm512_storeu_ps(out + (long)(b0 + t) * N + (long)rb * 16, v);
-                }
+                for (int t = 0; t < nb; t++) _mm512_storeu_ps(out + (long)(b0 + t) * N + (long)rb * 16, acc[t]);
             }
         }
     }
