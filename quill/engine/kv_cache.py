@@ -43,12 +43,13 @@ def num_blocks_for(cache: CacheConfig, model: ModelConfig, bytes_per_element: in
 
 
 class KVCache:
-    """Per layer, one K and one V tensor of (num_blocks * block_size, kv_heads, head_dim) slots."""
+    """Per layer, one K and one V tensor of (kv_heads, num_blocks * block_size, head_dim): head-major, so
+    one head's rows for the positions of a block lie side by side and attention reads them as a stream."""
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
         slots = num_blocks * block_size
-        shape = (slots, model.num_kv_heads, model.head_dim)
+        shape = (model.num_kv_heads, slots, model.head_dim)
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)

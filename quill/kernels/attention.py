@@ -40,34 +40,34 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-    """k_cache/v_cache (num_slots, KVH, hd); k/v (T, KVH, hd); slots (T,). An fp16 cache stores
+    """k_cache/v_cache (KVH, num_slots, hd); k/v (T, KVH, hd); slots (T,). An fp16 cache stores
     k/v rounded to nearest (as the fused decode kernel does)."""
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def paged_attention(
     q: torch.Tensor,  # (T, H, hd)
-    k_cache: torch.Tensor,  # (num_slots, KVH, hd)
+    k_cache: torch.Tensor,  # (KVH, num_slots, hd)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (T, H, hd)
     out = torch.empty_like(q)
-    num_heads, num_kv = q.shape[1], k_cache.shape[1]
+    num_heads, num_kv = q.shape[1], k_cache.shape[0]
     gqa = num_heads != num_kv
     for span in meta.prefills:
         qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, hd)
-        ks = k_cache[span.ctx_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # (1, KVH, ctx, hd)
-        vs = v_cache[span.ctx_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        ks = k_cache[:, span.ctx_slots].to(q.dtype).unsqueeze(0)  # (1, KVH, ctx, hd)
+        vs = v_cache[:, span.ctx_slots].to(q.dtype).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=gqa
         )  # (1, H, q, hd)
         out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
     if meta.decode_rows is not None:
         qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, H, 1, hd)
-        kd = k_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)  # (Bd, KVH, Lmax, hd)
-        vd = v_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)
+        kd = k_cache[:, meta.decode_slots].to(q.dtype).transpose(0, 1)  # (Bd, KVH, Lmax, hd)
+        vd = v_cache[:, meta.decode_slots].to(q.dtype).transpose(0, 1)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out[meta.decode_rows] = o.squeeze(2)
     return out

@@ -28,7 +28,7 @@ class LayerWeights(ctypes.Structure):
 
 class ModelShape(ctypes.Structure):
     _fields_ = [("hidden", I), ("heads", I), ("kv_heads", I), ("head_dim", I), ("inter", I), ("eps", F),
-                ("scale", F), ("kv16", I), ("cos", P), ("sin", P)]
+                ("scale", F), ("kv16", I), ("kv_slots", ctypes.c_long), ("cos", P), ("sin", P)]
 
 
 class StepArgs(ctypes.Structure):
@@ -69,7 +69,8 @@ class FusedDecoder:
             rope = model.rope
             self.shape = ModelShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
-                                    int(kv_layers[0][0].dtype == torch.float16), rope.cos.data_ptr(), rope.sin.data_ptr())
+                                    int(kv_layers[0][0].dtype == torch.float16), kv_layers[0][0].shape[1],
+                                    rope.cos.data_ptr(), rope.sin.data_ptr())
             self._scratch: dict[str, torch.Tensor] = {}
             self._split = self.lib.quill_attention_split()  # context positions per attention task
 

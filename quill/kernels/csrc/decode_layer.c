@@ -27,13 +27,14 @@ typedef struct {
 typedef struct {
     const float *norm1, *norm2;
     QWeight qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* (slots, kv_heads, head_dim), float or fp16 as ModelShape.kv16 says */
+    void *k_cache, *v_cache; /* (kv_heads, slots, head_dim), float or fp16 as ModelShape.kv16 says */
 } LayerWeights;
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
     int kv16; /* the KV cache holds fp16 (else fp32) */
+    long kv_slots; /* slots per KV head in the cache */
     const float *cos, *sin; /* (positions, head_dim) */
 } ModelShape;
 
@@ -150,10 +151,11 @@ static inline float hmax8(__m256 v) {
 
 typedef struct {
     const float *q0;
-    const void *k_cache, *v_cache; /* float or fp16 (uint16_t) elements */
+    const void *k_cache, *v_cache; /* this KV head's slot 0, float or fp16 (uint16_t) elements */
     const int64_t *slots;
     long l0, l1;
-    int nkv, kvh, hd, group;
+    long kv_row; /* elements from one slot's row to the next */
+    int hd, group;
     float scale;
     float *sc0; /* scores: row g at sc0 + g * sstride, positions l0 .. l1 */
     long sstride;
@@ -224,7 +226,9 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
                     const float *q0 = s->qkv + (long)b * qkv_n + (long)kvh * group * hd;
                     float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
                     float *pt = s->partials + (((long)b * nkv + kvh) * nsplit + c) * part;
-                    const Split sp = {q0, L->k_cache, L->v_cache, slots, l0, l1, nkv, kvh, hd, group, m->scale, sc0, s->max_ctx};
+                    const long head = (long)kvh * m->kv_slots * hd * (m->kv16 ? 2 : 4); /* bytes to this head's rows */
+                    const Split sp = {q0, (const char *)L->k_cache + head, (const char *)L->v_cache + head, slots, l0, l1,
+                                      hd, hd, group, m->scale, sc0, s->max_ctx};
                     if (m->kv16) (wide ? attend_split_512_f16 : attend_split_256_f16)(&sp, pt, pt + group, pt + 2 * group);
                     else (wide ? attend_split_512_f32 : attend_split_256_f32)(&sp, pt, pt + group, pt + 2 * group);
                 }
@@ -264,13 +268,16 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
         const float *c = m->cos + s->positions[b] * hd, *sn = m->sin + s->positions[b] * hd;
         for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, c, sn, hd); /* q heads then k heads */
         const float *k = row + nh * hd, *v = k + nkv * hd;
-        const long at = s->new_slots[b] * nkv * hd;
-        if (m->kv16) { /* round to nearest even, as torch's .half() does on the prefill path */
-            uint16_t *kd = (uint16_t *)L->k_cache + at, *vd = (uint16_t *)L->v_cache + at;
-            for (int i = 0; i < nkv * hd; i++) { kd[i] = _cvtss_sh(k[i], 0); vd[i] = _cvtss_sh(v[i], 0); }
-        } else {
-            float *kd = (float *)L->k_cache + at, *vd = (float *)L->v_cache + at;
-            for (int i = 0; i < nkv * hd; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+        for (int h = 0; h < nkv; h++) {
+            const long at = (h * m->kv_slots + s->new_slots[b]) * hd;
+            const float *kh = k + h * hd, *vh = v + h * hd;
+            if (m->kv16) { /* round to nearest even, as torch's .half() does on the prefill path */
+                uint16_t *kd = (uint16_t *)L->k_cache + at, *vd = (uint16_t *)L->v_cache + at;
+                for (int i = 0; i < hd; i++) { kd[i] = _cvtss_sh(kh[i], 0); vd[i] = _cvtss_sh(vh[i], 0); }
+            } else {
+                float *kd = (float *)L->k_cache + at, *vd = (float *)L->v_cache + at;
+                for (int i = 0; i < hd; i++) { kd[i] = kh[i]; vd[i] = vh[i]; }
+            }
         }
     }
     attention(m, L, s);
