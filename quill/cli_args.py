@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from quill.config import KV_CACHE_DTYPE_NAMES, CacheConfig, EngineConfig, SchedulerConfig
+from quill.config import KV_CACHE_DTYPE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)(b?)|b)?\s*$", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
@@ -58,7 +58,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: physical cores)")
     g.add_argument("--kv-cache-memory", type=size_arg, default=None,
                    help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM, at most 2 GiB)")
-    g.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPE_NAMES], default="auto",
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
                    help="KV cache element type; auto = fp16 for a GGUF file (as llama.cpp), fp32 for a "
                         "safetensors folder; attention math is fp32 either way (default auto)")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")

@@ -111,6 +111,7 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPE_NAMES = ("fp32", "fp16")
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPE_NAMES)  # --kv-cache-dtype
 
 
 def resolve_kv_dtype(name: str, file_format: str) -> str:
@@ -131,7 +132,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None = derived from free RAM
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact pool size
-    kv_cache_dtype: str = "auto"  # "auto" | "fp32" | "fp16" (quill.engine.kv_cache.resolve_kv_dtype)
+    kv_cache_dtype: str = "auto"  # "auto" | "fp32" | "fp16" (resolve_kv_dtype above)
 
 
 @dataclass(frozen=True)

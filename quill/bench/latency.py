@@ -8,7 +8,7 @@ import statistics
 import sys
 import time
 
-from quill.config import KV_CACHE_DTYPE_NAMES
+from quill.config import KV_CACHE_DTYPE_CHOICES
 
 PREFILL_LENGTHS = (128, 512, 2048)
 DECODE_BATCHES = (1, 4, 16)
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", default=",".join(map(str, PREFILL_LENGTHS)), help="prompt lengths (default 128,512,2048)")
     p.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes (default 1,4,16)")
     p.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)), help="decode contexts (default 128,1024)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPE_NAMES], default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
                    help="quill's KV cache element type (default auto: fp16 for a GGUF file, as llama.cpp keeps it)")
     p.add_argument("--json", default=None, help="write all figures to this file")
     p.set_defaults(func=run)

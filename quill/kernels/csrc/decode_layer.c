@@ -151,10 +151,9 @@ static inline float hmax8(__m256 v) {
 
 typedef struct {
     const float *q0;
-    const void *k_cache, *v_cache; /* this KV head's slot 0, float or fp16 (uint16_t) elements */
+    const void *k_cache, *v_cache; /* this KV head's slot 0 (rows hd apart), float or fp16 (uint16_t) elements */
     const int64_t *slots;
     long l0, l1;
-    long kv_row; /* elements from one slot's row to the next */
     int hd, group;
     float scale;
     float *sc0; /* scores: row g at sc0 + g * sstride, positions l0 .. l1 */
@@ -228,7 +227,7 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
                     float *pt = s->partials + (((long)b * nkv + kvh) * nsplit + c) * part;
                     const long head = (long)kvh * m->kv_slots * hd * (m->kv16 ? 2 : 4); /* bytes to this head's rows */
                     const Split sp = {q0, (const char *)L->k_cache + head, (const char *)L->v_cache + head, slots, l0, l1,
-                                      hd, hd, group, m->scale, sc0, s->max_ctx};
+                                      hd, group, m->scale, sc0, s->max_ctx};
                     if (m->kv16) (wide ? attend_split_512_f16 : attend_split_256_f16)(&sp, pt, pt + group, pt + 2 * group);
                     else (wide ? attend_split_512_f32 : attend_split_256_f32)(&sp, pt, pt + group, pt + 2 * group);
                 }
