@@ -1,7 +1,9 @@
 """Decode rows through one fused C call per layer (quill_decode_layer), reading the paged cache in place.
 
 Per step Python does the embedding lookup, 30 calls and the final norm; everything else
-(RMSNorm, QKV, RoPE, K/V write, attention, O, SwiGLU, residuals) happens in C.
+(RMSNorm, QKV, RoPE, K/V write, attention, O, SwiGLU, residuals) happens in C. The rows come
+as block tables: C finds the new token's slot and each context position's from them, so what a
+step hands over grows with the batch, not with the contexts.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import ctypes
 import torch
 
 from quill.kernels import native
+from quill.kernels import options as kopts
 from quill.kernels.linear import DenseLinear
 from quill.kernels.packed import PackedLinear, PackedWeight
 
@@ -28,12 +31,13 @@ class LayerWeights(ctypes.Structure):
 
 class ModelShape(ctypes.Structure):
     _fields_ = [("hidden", I), ("heads", I), ("kv_heads", I), ("head_dim", I), ("inter", I), ("eps", F),
-                ("scale", F), ("kv16", I), ("kv_slots", ctypes.c_long), ("cos", P), ("sin", P)]
+                ("scale", F), ("kv16", I), ("kv_slots", ctypes.c_long), ("cos", P), ("sin", P), ("isa", I),
+                ("threads", I)]
 
 
 class StepArgs(ctypes.Structure):
-    _fields_ = [("batch", I), ("max_ctx", I), ("positions", P), ("new_slots", P), ("ctx_slots", P),
-                ("ctx_lens", P), ("h", P), ("qkv", P), ("attn", P), ("gu", P), ("act", P), ("tmp", P),
+    _fields_ = [("batch", I), ("max_ctx", I), ("positions", P), ("block_tables", P), ("max_blocks", I),
+                ("block_size", I), ("ctx_lens", P), ("h", P), ("qkv", P), ("attn", P), ("gu", P), ("act", P), ("tmp", P),
                 ("scores", P), ("sums", P), ("partials", P)]
 
 
@@ -53,10 +57,15 @@ def _qweight(linear, keep: list) -> QWeight | None:
 
 
 class FusedDecoder:
-    """Built once per engine over the model and its KV cache; `available` says whether it applies."""
+    """Built once per engine over the model and its KV cache; `available` says whether it applies.
 
-    def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]):
+    `options` (default: those bound by the engine being built, else the environment's) fix the ISA
+    and the thread count of every call this decoder makes."""
+
+    def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+                 options: kopts.KernelOptions | None = None):
         self.lib = native.load()
+        self.options = options or kopts.current()
         self.model = model
         cfg = model.config
         self.cfg = cfg
@@ -70,7 +79,7 @@ class FusedDecoder:
             self.shape = ModelShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                                     int(kv_layers[0][0].dtype == torch.float16), kv_layers[0][0].shape[1],
-                                    rope.cos.data_ptr(), rope.sin.data_ptr())
+                                    rope.cos.data_ptr(), rope.sin.data_ptr(), self.options.isa, self.options.threads)
             self._scratch: dict[str, torch.Tensor] = {}
             self._split = self.lib.quill_attention_split()  # context positions per attention task
 
@@ -97,16 +106,25 @@ class FusedDecoder:
         """Group sums for the packed kernels, or the tiled kernel's digits and scales."""
         return max(batch * (widest // 32 + 1), -(-self.lib.quill_amx_scratch_bytes(batch, widest) // 4))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor,
-                ctx_slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions, new_slots, ctx_lens (B,) int64; ctx_slots (B, Lmax) int64 -> hidden (B, H)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                ctx_lens: torch.Tensor, block_size: int, max_ctx: int | None = None) -> torch.Tensor:
+        """input_ids, positions, ctx_lens (B,) int64; block_tables (B, max_blocks) int32, row b = row b's
+        physical blocks (entries past its context unread); max_ctx: max(ctx_lens) if known -> hidden (B, H).
+        The new token at positions[b] is written to its slot; positions 0 .. ctx_lens[b]-1 are attended."""
         cfg = self.cfg
-        B, lmax = ctx_slots.shape
+        B, max_blocks = block_tables.shape
+        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            raise ValueError("block_tables must be a contiguous (B, max_blocks) int32 tensor")
+        if positions.dtype != torch.int64 or ctx_lens.dtype != torch.int64 or len(positions) != B or len(ctx_lens) != B:
+            raise ValueError("positions and ctx_lens must be (B,) int64 tensors")
+        lmax = int(ctx_lens.max()) if max_ctx is None else max_ctx
+        if lmax > max_blocks * block_size:
+            raise ValueError(f"a context of {lmax} positions does not fit {max_blocks} blocks of {block_size}")
         x = self.model.embed_tokens(input_ids).contiguous()  # (B, H)
         qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
         step = StepArgs(
-            B, lmax, positions.data_ptr(), new_slots.data_ptr(), ctx_slots.data_ptr(), ctx_lens.data_ptr(),
+            B, lmax, positions.data_ptr(), block_tables.data_ptr(), max_blocks, block_size, ctx_lens.data_ptr(),
             self._buf("h", B * cfg.hidden_size).data_ptr(), self._buf("qkv", B * qkv_n).data_ptr(),
             self._buf("attn", B * cfg.num_heads * cfg.head_dim).data_ptr(),
             self._buf("gu", B * 2 * cfg.intermediate_size).data_ptr(),

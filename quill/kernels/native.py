@@ -66,23 +66,26 @@ def load() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         logger.warning("native kernels unavailable (%s); using the dense torch path", e)
         return None
+    # every kernel call takes its caller's choices last: isa (256 | 512) where it has a choice, threads
     for name in ("quill_gemv_q4", "quill_gemv_q8"):
-        getattr(lib, name).argtypes = [P, P, P, P, P, P, I, I, I]
+        getattr(lib, name).argtypes = [P, P, P, P, P, P, I, I, I, I, I]
         getattr(lib, name).restype = None
     for name in ("quill_dequant_q4", "quill_dequant_q8"):
-        getattr(lib, name).argtypes = [P, P, P, P, I, I]
+        getattr(lib, name).argtypes = [P, P, P, P, I, I, I]
         getattr(lib, name).restype = None
     lib.quill_decode_layer.argtypes = [P, P, P, P]
     lib.quill_decode_layer.restype = None
     lib.quill_attention_split.argtypes = []
     lib.quill_attention_split.restype = I
-    lib.quill_kernel_isa.argtypes = []
-    lib.quill_kernel_isa.restype = ctypes.c_int
-    lib.quill_amx_available.argtypes = []
-    lib.quill_amx_available.restype = I
-    lib.quill_amx_gemv.argtypes = [I, P, P, P, P, P, I, I, I, P]
+    # what the CPU can do (probed once in C: facts, not choices)
+    for name in ("quill_hw_avx512", "quill_amx_hw", "quill_amx_enable"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = I
+    lib.quill_isa_used.argtypes = [I]
+    lib.quill_isa_used.restype = I
+    lib.quill_amx_gemv.argtypes = [I, P, P, P, P, P, I, I, I, P, I]
     lib.quill_amx_gemv.restype = None
-    lib.quill_amx_dequant.argtypes = [I, P, P, P, P, I, I]
+    lib.quill_amx_dequant.argtypes = [I, P, P, P, P, I, I, I]
     lib.quill_amx_dequant.restype = None
     lib.quill_amx_scratch_bytes.argtypes = [I, I]
     lib.quill_amx_scratch_bytes.restype = ctypes.c_long

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from quill.kernels import native
+from quill.kernels import native, options
 from quill.kernels.dequant import unpack_blocks
 
 GROUP = 32
@@ -69,7 +69,8 @@ class PackedWeight(GroupWeight):
         lib = native.load()
         if lib is not None:
             fn = lib.quill_dequant_q4 if self.kind == "q4" else lib.quill_dequant_q8
-            fn(self.codes.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(), out.data_ptr(), self.rows, self.groups)
+            fn(self.codes.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(), out.data_ptr(), self.rows, self.groups,
+               options.current().threads)
             return out
         out.copy_(self._codes_float().view(self.rows, self.groups, GROUP).mul(self.scale[..., None])
                   .add(self.mins[..., None]).view(self.rows, self.cols))
@@ -191,16 +192,19 @@ class PackedLinear(nn.Module):
 
     def bind_gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None):
         """The kernel call for x (B, in) -> out (B, out) with its pointers bound: call it to run. It holds
-        x, out, scratch (at least scratch_floats(B) floats; default: the shared workspace) and the weight."""
+        x, out, scratch (at least scratch_floats(B) floats; default: the shared workspace) and the weight.
+        The ISA and thread count are those of the engine running now (`options.current()`)."""
         w = self.weight
+        opts = options.current()
         if scratch is None:
             scratch = self.workspace.sums(self.scratch_floats(x.shape[0]))
         if not isinstance(w, PackedWeight):  # a TiledWeight (AMX)
-            fn, args = w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], scratch.data_ptr())
+            fn, args = w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], scratch.data_ptr(),
+                                  opts.threads)
         else:
             fn = self._lib.quill_gemv_q4 if w.kind == "q4" else self._lib.quill_gemv_q8
             args = (w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), scratch.data_ptr(),
-                    out.data_ptr(), w.rows, w.groups, x.shape[0])
+                    out.data_ptr(), w.rows, w.groups, x.shape[0], opts.isa, opts.threads)
         return functools.partial(_call_holding, fn, args, (x, out, scratch, w))
 
 

@@ -1,10 +1,13 @@
-"""One thread count for torch and the kernels, so they never oversubscribe the cores."""
+"""Thread counts: each engine's own for the native kernels; torch's process-wide pool by one rule."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger("quill.kernels")
 
 
 def physical_cores() -> int:
@@ -26,13 +29,30 @@ def physical_cores() -> int:
     return os.cpu_count() or 1
 
 
+_torch_set = False  # whether an engine in this process has set torch's pool yet
+
+
 def configure_threads(threads: int | None) -> int:
-    """Set torch's intra-op pool (and numba's, if loaded) to `threads` (default: physical cores)."""
-    n = threads or min(physical_cores(), len(os.sched_getaffinity(0)))
+    """An engine's thread count (`threads`, default: physical cores), and torch's pool by one rule.
+
+    The native kernels take each engine's count per call, so engines never touch each other's.
+    torch's intra-op pool (prefill GEMMs, the torch fallbacks) and numba's are process-wide, so
+    they are set only when the user asked for a count (threads=N, --threads N: the explicit
+    request wins, for the whole process, and is logged when it changes torch's count) or, with
+    the default, by the first engine in the process; a later default engine leaves them as found."""
+    global _torch_set
+    from quill.kernels.options import default_threads
+
+    n = default_threads() if threads is None else threads
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
-    if torch.get_num_threads() != n:
+    if threads is None and _torch_set:
+        return n
+    _torch_set = True
+    old = torch.get_num_threads()
+    if old != n:
         torch.set_num_threads(n)
+        logger.info("torch intra-op threads %d -> %d (process-wide; quill's own kernels use each engine's count)", old, n)
     try:
         import numba
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quill.kernels import native
+from quill.kernels import native, options
 from quill.kernels.packed import GROUP, GroupWeight, PackedWeight
 
 ROWS, CHUNK = 16, 64
@@ -42,12 +42,12 @@ class TiledWeight(GroupWeight):
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.rows, self.cols) if out is None else out
-        native.load().quill_amx_dequant(*self._ptrs(), out.data_ptr(), self.rows, self.cols)
+        native.load().quill_amx_dequant(*self._ptrs(), out.data_ptr(), self.rows, self.cols, options.current().threads)
         return out
 
     @property
     def kernel(self):
-        """quill_amx_gemv with this weight's arguments bound: (x, out, rows, cols, batch, scratch) pointers."""
+        """quill_amx_gemv with this weight's arguments bound: (x, out, rows, cols, batch, scratch, threads)."""
         return functools.partial(native.load().quill_amx_gemv, *self._ptrs())
 
     def scratch_bytes(self, batch: int) -> int:
@@ -66,9 +66,12 @@ class TiledWeight(GroupWeight):
         return values.reshape(T, self.cols)
 
 
-def available() -> bool:
+def available(opts: options.KernelOptions | None = None) -> bool:
+    """Whether weights loaded now take the tiled layout: the options (default: the engine being built,
+    else the environment) allow AMX and the OS grants the tile state."""
     lib = native.load()
-    return lib is not None and bool(lib.quill_amx_available())
+    opts = opts or options.current()
+    return lib is not None and opts.amx and bool(lib.quill_amx_enable())
 
 
 def _blocked(t: torch.Tensor, rows: int, groups: int, half: bool) -> torch.Tensor:

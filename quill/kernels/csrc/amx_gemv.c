@@ -60,15 +60,20 @@ static int cpu_has_amx(void) {
            __builtin_cpu_supports("avx512vbmi");
 }
 
-int quill_amx_available(void) {
+/* What the CPU can run (a fact): the AMX-INT8 tile unit and the AVX-512 parts the kernel uses. */
+int quill_amx_hw(void) {
     static int cached = -1;
-    if (cached < 0) {
-        const char *off = getenv("QUILL_NO_AMX");
-        cached = 0;
-        if (!(off && off[0] == '1') && cpu_has_amx())
-            cached = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    }
+    if (cached < 0) cached = cpu_has_amx();
     return cached;
+}
+
+/* Asks Linux for the tile state (once per process: the permission is the OS's, not a choice of
+ * ours); 1 when the tiled kernels can run. Whether a caller uses them is its own decision. */
+int quill_amx_enable(void) {
+    static int granted = -1;
+    if (granted < 0)
+        granted = quill_amx_hw() && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
 }
 
 /* Two sets of tiles, used alternately so one product can run while the last is read out:
@@ -176,12 +181,12 @@ AMX static inline void load_weight_tile(int kind, const void *codes, long tile, 
  * scratch: at least quill_amx_scratch_bytes(B, K) bytes. Items go through in passes of 16:
  * 96 A rows, 6 tiles (one tile of 6 or 12 rows when B is 1 or 2). */
 AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const float *x,
-                        float *out, int N, int K, int B, void *scratch) {
-    if (!quill_amx_available()) abort(); /* callers check first; this also requests the tile permission */
+                        float *out, int N, int K, int B, void *scratch, int threads) {
+    if (!quill_amx_enable()) abort(); /* callers check first; this also requests the tile permission */
     const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1, q8 = kind & 1, R = a_rows(B);
     float *xs = (float *)scratch, *xscale = xs + (long)B * G;
     int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)B * G) + 63) & ~(uintptr_t)63);
-#pragma omp parallel
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++)
@@ -251,9 +256,10 @@ static inline float group_value(const void *p, long i, int half) {
     return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-AMX void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K) {
+AMX void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K,
+                           int threads) {
     const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int rb = 0; rb < RB; rb++) {
         _Alignas(64) uint8_t staged[1024];
         for (int c = 0; c < C; c++) {
@@ -281,10 +287,12 @@ AMX void quill_amx_dequant(int kind, const void *codes, const void *scale, const
 
 #else /* no AMX support in this compiler */
 
-int quill_amx_available(void) { return 0; }
+int quill_amx_hw(void) { return 0; }
+int quill_amx_enable(void) { return 0; }
 void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const float *x, float *out,
-                    int N, int K, int B, void *scratch) { abort(); }
+                    int N, int K, int B, void *scratch, int threads) { abort(); }
 long quill_amx_scratch_bytes(int B, int K) { return 0; }
-void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K) { abort(); }
+void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K,
+                       int threads) { abort(); }
 
 #endif

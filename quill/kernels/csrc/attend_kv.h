@@ -18,14 +18,14 @@ static inline __m256 KV_NAME(dot8)(const float *q, const KV_T *const k[8], int h
 
 /* acc[g][0..32) += sum_l p[g][l] * V[l][i0 .. i0+32) for NG (1..3) q heads: 4 x NG
  * accumulators in registers, every V vector read once. */
-static inline __attribute__((always_inline)) void KV_NAME(v_block)(const KV_T *vc, const int64_t *slots, long l0, long l1,
+static inline __attribute__((always_inline)) void KV_NAME(v_block)(const KV_T *vc, const long *rows, long l0, long l1,
                                                           int hd, int i0, const float *p,
                                                           long pstride, const int NG, float *out) {
     __m256 a[3][4];
     for (int g = 0; g < NG; g++)
         for (int u = 0; u < 4; u++) a[g][u] = _mm256_setzero_ps();
     for (long l = l0; l < l1; l++) {
-        const KV_T *v = vc + slots[l] * hd + i0;
+        const KV_T *v = vc + rows[l - l0] + i0;
         const __m256 v0 = KV_LOAD8(v), v1 = KV_LOAD8(v + 8), v2 = KV_LOAD8(v + 16), v3 = KV_LOAD8(v + 24);
         for (int g = 0; g < NG; g++) {
             const __m256 w = _mm256_set1_ps(p[g * pstride + l]);
@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void KV_NAME(v_block)(const KV_T *v
 }
 
 /* acc (group, hd) = sum over l in [l0, l1) of p[g][l] * V[l]. */
-static void KV_NAME(v_accumulate)(const KV_T *vc, const int64_t *slots, long l0, long l1, int hd,
+static void KV_NAME(v_accumulate)(const KV_T *vc, const long *rows, long l0, long l1, int hd,
                          const float *p, long pstride, int group, float *acc) {
     for (int g0 = 0; g0 < group; g0 += 3) {
         const int ng = group - g0 < 3 ? group - g0 : 3;
@@ -48,16 +48,16 @@ static void KV_NAME(v_accumulate)(const KV_T *vc, const int64_t *slots, long l0,
         float *ag = acc + (long)g0 * hd;
         int i0 = 0;
         for (; i0 + 32 <= hd; i0 += 32) {
-            if (ng == 3) KV_NAME(v_block)(vc, slots, l0, l1, hd, i0, pg, pstride, 3, ag);
-            else if (ng == 2) KV_NAME(v_block)(vc, slots, l0, l1, hd, i0, pg, pstride, 2, ag);
-            else KV_NAME(v_block)(vc, slots, l0, l1, hd, i0, pg, pstride, 1, ag);
+            if (ng == 3) KV_NAME(v_block)(vc, rows, l0, l1, hd, i0, pg, pstride, 3, ag);
+            else if (ng == 2) KV_NAME(v_block)(vc, rows, l0, l1, hd, i0, pg, pstride, 2, ag);
+            else KV_NAME(v_block)(vc, rows, l0, l1, hd, i0, pg, pstride, 1, ag);
         }
         for (; i0 < hd; i0 += 8) /* hd % 32 tail, 8 floats at a time */
             for (int g = 0; g < ng; g++) {
                 __m256 a = _mm256_setzero_ps();
                 for (long l = l0; l < l1; l++)
                     a = _mm256_fmadd_ps(_mm256_set1_ps(pg[g * pstride + l]),
-                                        KV_LOAD8(vc + slots[l] * hd + i0), a);
+                                        KV_LOAD8(vc + rows[l - l0] + i0), a);
                 _mm256_storeu_ps(ag + (long)g * hd + i0, a);
             }
     }
@@ -67,7 +67,7 @@ static void KV_NAME(v_accumulate)(const KV_T *vc, const int64_t *slots, long l0,
 static void KV_NAME(attend_split_256)(const Split *t, float *mx, float *total, float *acc) {
     const int hd = t->hd, group = t->group;
     const long l0 = t->l0, l1 = t->l1;
-    const int64_t *slots = t->slots;
+    const long *rows = t->rows; /* position l0 + j starts at element rows[j] */
     const float *q0 = t->q0;
     const KV_T *kc = t->k_cache;
     float *sc0 = t->sc0;
@@ -77,7 +77,7 @@ static void KV_NAME(attend_split_256)(const Split *t, float *mx, float *total, f
     for (int g = 0; g < group; g++) vmx[g] = _mm256_set1_ps(-INFINITY);
     for (; l + 8 <= l1; l += 8) {
         const KV_T *k[8];
-        for (int j = 0; j < 8; j++) k[j] = kc + slots[l + j] * hd;
+        for (int j = 0; j < 8; j++) k[j] = kc + rows[l - l0 + j];
         for (int g = 0; g < group; g++) {
             __m256 v = _mm256_mul_ps(KV_NAME(dot8)(q0 + g * hd, k, hd), _mm256_set1_ps(t->scale));
             _mm256_storeu_ps(sc0 + g * t->sstride + l, v);
@@ -86,7 +86,7 @@ static void KV_NAME(attend_split_256)(const Split *t, float *mx, float *total, f
     }
     for (int g = 0; g < group; g++) mx[g] = hmax8(vmx[g]);
     for (; l < l1; l++) {
-        const KV_T *k = kc + slots[l] * hd;
+        const KV_T *k = kc + rows[l - l0];
         for (int g = 0; g < group; g++) {
             __m256 d = _mm256_setzero_ps();
             for (int i = 0; i < hd; i += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + g * hd + i), KV_LOAD8(k + i), d);
@@ -96,7 +96,7 @@ static void KV_NAME(attend_split_256)(const Split *t, float *mx, float *total, f
         }
     }
     for (int g = 0; g < group; g++) total[g] = exp_shift_sum(sc0 + g * t->sstride + l0, l1 - l0, mx[g]);
-    KV_NAME(v_accumulate)(t->v_cache, slots, l0, l1, hd, sc0, t->sstride, group, acc);
+    KV_NAME(v_accumulate)(t->v_cache, rows, l0, l1, hd, sc0, t->sstride, group, acc);
 }
 
 /* acc[g][i0 .. i0+64) += sum_l p[g][l] * V[l][i0 .. i0+64) for NG (1..3) heads, 4 x NG accumulators. */
@@ -106,7 +106,7 @@ AVX512 static inline __attribute__((always_inline)) void KV_NAME(v_block_512)(co
     for (int g = 0; g < NG; g++)
         for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
     for (long l = t->l0; l < t->l1; l++) {
-        const KV_T *v = (const KV_T *)t->v_cache + t->slots[l] * t->hd + i0;
+        const KV_T *v = (const KV_T *)t->v_cache + t->rows[l - t->l0] + i0;
         const __m512 v0 = KV_LOAD16(v), v1 = KV_LOAD16(v + 16), v2 = KV_LOAD16(v + 32), v3 = KV_LOAD16(v + 48);
         for (int g = 0; g < NG; g++) {
             const __m512 w = _mm512_set1_ps(p[g * t->sstride + l]);
@@ -132,13 +132,13 @@ AVX512 static void KV_NAME(attend_split_512)(const Split *t, float *mx, float *t
     for (int g = 0; g < group; g++) vmx[g] = _mm512_set1_ps(-INFINITY);
     for (; l + 16 <= l1; l += 16) {
         const KV_T *k[16];
-        for (int j = 0; j < 16; j++) k[j] = kc + t->slots[l + j] * hd;
-        /* the cache rows sit where the block table puts them: fetch the next keys, and these
-           positions' values for the second pass, ahead of use */
+        for (int j = 0; j < 16; j++) k[j] = kc + t->rows[l - l0 + j];
+        /* the cache rows sit where the block table puts them (contiguous within a block): fetch
+           the next keys, and these positions' values for the second pass, ahead of use */
         for (long j = l + 16; j < l + 32 && j < l1; j++)
-            for (int i = 0; i < hd; i += line) _mm_prefetch((const char *)(kc + t->slots[j] * hd + i), _MM_HINT_T0);
+            for (int i = 0; i < hd; i += line) _mm_prefetch((const char *)(kc + t->rows[j - l0] + i), _MM_HINT_T0);
         for (long j = l; j < l + 16; j++)
-            for (int i = 0; i < hd; i += line) _mm_prefetch((const char *)(vc + t->slots[j] * hd + i), _MM_HINT_T1);
+            for (int i = 0; i < hd; i += line) _mm_prefetch((const char *)(vc + t->rows[j - l0] + i), _MM_HINT_T1);
         for (int g = 0; g < group; g++) {
             const float *q = t->q0 + g * hd;
             __m512 a[16];
@@ -154,7 +154,7 @@ AVX512 static void KV_NAME(attend_split_512)(const Split *t, float *mx, float *t
     }
     for (int g = 0; g < group; g++) mx[g] = _mm512_reduce_max_ps(vmx[g]);
     for (; l < l1; l++) {
-        const KV_T *k = kc + t->slots[l] * hd;
+        const KV_T *k = kc + t->rows[l - l0];
         for (int g = 0; g < group; g++) {
             __m512 d = _mm512_setzero_ps();
             for (int i = 0; i < hd; i += 16) d = _mm512_fmadd_ps(_mm512_loadu_ps(t->q0 + g * hd + i), KV_LOAD16(k + i), d);
@@ -192,7 +192,7 @@ AVX512 static void KV_NAME(attend_split_512)(const Split *t, float *mx, float *t
                 __m512 a = _mm512_setzero_ps();
                 for (long j = l0; j < l1; j++)
                     a = _mm512_fmadd_ps(_mm512_set1_ps(pg[g * t->sstride + j]),
-                                        KV_LOAD16(vc + t->slots[j] * hd + i0), a);
+                                        KV_LOAD16(vc + t->rows[j - l0] + i0), a);
                 _mm512_storeu_ps(ag + (long)g * hd + i0, a);
             }
     }

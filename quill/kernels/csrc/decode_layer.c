@@ -12,9 +12,10 @@
 #include <math.h>
 #include <stdint.h>
 
-void quill_gemv_q4(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int);
-void quill_gemv_q8(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int);
-void quill_amx_gemv(int, const void *, const void *, const void *, const float *, float *, int, int, int, void *);
+void quill_gemv_q4(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int);
+void quill_gemv_q8(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int);
+void quill_amx_gemv(int, const void *, const void *, const void *, const float *, float *, int, int, int, void *, int);
+int quill_isa_used(int isa);
 
 typedef struct {
     int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 + k = AMX-tiled kind k */
@@ -36,16 +37,26 @@ typedef struct {
     int kv16; /* the KV cache holds fp16 (else fp32) */
     long kv_slots; /* slots per KV head in the cache */
     const float *cos, *sin; /* (positions, head_dim) */
+    int isa;     /* the caller's choice: 512 = AVX-512 kernels where the CPU has them, 256 = AVX2 */
+    int threads; /* the caller's OpenMP team size for every parallel region of a call */
 } ModelShape;
 
+/* One step's rows. Cache slots come from the block tables here, so the caller's per-step work
+ * is O(batch): position p of row b lives in slot block_tables[b][p / block_size] * block_size +
+ * p % block_size. */
 typedef struct {
-    int batch, max_ctx;
-    const int64_t *positions;   /* (B,) */
-    const int64_t *new_slots;   /* (B,) */
-    const int64_t *ctx_slots;   /* (B, max_ctx) */
-    const int64_t *ctx_lens;    /* (B,) */
+    int batch, max_ctx;            /* max_ctx >= every ctx_lens[b]: the scores' row stride */
+    const int64_t *positions;      /* (B,) the new token's position */
+    const int32_t *block_tables;   /* (B, max_blocks): row b = its sequence's physical block ids */
+    int max_blocks, block_size;
+    const int64_t *ctx_lens;       /* (B,) positions attended, 0 .. ctx_lens[b] - 1 (the new one included) */
     float *h, *qkv, *attn, *gu, *act, *tmp, *scores, *sums, *partials; /* scratch */
 } StepArgs;
+
+static inline long slot_of(const StepArgs *s, int b, long pos) {
+    const int32_t *table = s->block_tables + (long)b * s->max_blocks;
+    return (long)table[pos / s->block_size] * s->block_size + pos % s->block_size;
+}
 
 
 /* exp's constants, shared by the 8- and 16-lane versions: log2(e), ln 2 split in two for an
@@ -91,14 +102,14 @@ static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
     return hsum8(acc);
 }
 
-static void gemv(const QWeight *w, const float *x, float *sums, float *out, int B) {
-    int N = w->rows, K = w->groups * 32;
-    if (w->kind == 0) quill_gemv_q4(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B);
-    else if (w->kind == 1) quill_gemv_q8(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B);
-    else if (w->kind >= 3) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums);
+static void gemv(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B) {
+    int N = w->rows, K = w->groups * 32, nt = m->threads > 0 ? m->threads : 1;
+    if (w->kind == 0) quill_gemv_q4(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, m->isa, nt);
+    else if (w->kind == 1) quill_gemv_q8(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, m->isa, nt);
+    else if (w->kind >= 3) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums, nt);
     else {
         const float *W = (const float *)w->codes;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt)
         for (int n = 0; n < N; n++)
             for (int b = 0; b < B; b++) out[(long)b * N + n] = dot(W + (long)n * K, x + (long)b * K, K);
     }
@@ -152,7 +163,7 @@ static inline float hmax8(__m256 v) {
 typedef struct {
     const float *q0;
     const void *k_cache, *v_cache; /* this KV head's slot 0 (rows hd apart), float or fp16 (uint16_t) elements */
-    const int64_t *slots;
+    const long *rows; /* element offset of position l0 + j's row from k_cache / v_cache, j < l1 - l0 */
     long l0, l1;
     int hd, group;
     float scale;
@@ -200,7 +211,16 @@ AVX512 static inline __m512 reduce16(const __m512 a[16]) {
 #define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #include "attend_kv.h"
 
-int quill_kernel_isa(void);
+/* rows[j] = element offset of position l0 + j's row in one head's (slots, hd) cache, for positions
+ * [l0, l1): one division per block, then the block's rows are hd apart. */
+static void split_rows(const int32_t *table, int bs, long l0, long l1, int hd, long *rows) {
+    for (long l = l0; l < l1;) {
+        const long blk = l / bs, off = l - blk * bs, n = bs - off < l1 - l ? bs - off : l1 - l;
+        const long base = ((long)table[blk] * bs + off) * hd;
+        for (long j = 0; j < n; j++) rows[l - l0 + j] = base + j * hd;
+        l += n;
+    }
+}
 
 /* One task per (row, KV head, SPLIT positions of its context): the q heads that share the KV
  * head read each K and V vector once (grouped-query attention), and long contexts spread over
@@ -212,8 +232,8 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
     const int qkv_n = (nh + 2 * nkv) * hd, B = s->batch;
     const int nsplit = (s->max_ctx + SPLIT - 1) / SPLIT;
     const long part = (long)group * (hd + 2); /* per task: max[group], sum[group], acc[group][hd] */
-    const int wide = hd % 16 == 0 && quill_kernel_isa() == 512;
-#pragma omp parallel
+    const int wide = hd % 16 == 0 && quill_isa_used(m->isa) == 512;
+#pragma omp parallel num_threads(m->threads > 0 ? m->threads : 1)
     {
 #pragma omp for schedule(static) collapse(3)
         for (int b = 0; b < B; b++)
@@ -221,12 +241,13 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
                 for (int c = 0; c < nsplit; c++) {
                     const long len = s->ctx_lens[b], l0 = (long)c * SPLIT, l1 = l0 + SPLIT < len ? l0 + SPLIT : len;
                     if (l0 >= len) continue;
-                    const int64_t *slots = s->ctx_slots + (long)b * s->max_ctx;
+                    long rows[SPLIT];
+                    split_rows(s->block_tables + (long)b * s->max_blocks, s->block_size, l0, l1, hd, rows);
                     const float *q0 = s->qkv + (long)b * qkv_n + (long)kvh * group * hd;
                     float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
                     float *pt = s->partials + (((long)b * nkv + kvh) * nsplit + c) * part;
                     const long head = (long)kvh * m->kv_slots * hd * (m->kv16 ? 2 : 4); /* bytes to this head's rows */
-                    const Split sp = {q0, (const char *)L->k_cache + head, (const char *)L->v_cache + head, slots, l0, l1,
+                    const Split sp = {q0, (const char *)L->k_cache + head, (const char *)L->v_cache + head, rows, l0, l1,
                                       hd, group, m->scale, sc0, s->max_ctx};
                     if (m->kv16) (wide ? attend_split_512_f16 : attend_split_256_f16)(&sp, pt, pt + group, pt + 2 * group);
                     else (wide ? attend_split_512_f32 : attend_split_256_f32)(&sp, pt, pt + group, pt + 2 * group);
@@ -261,14 +282,14 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
     const int B = s->batch, H = m->hidden, hd = m->head_dim, nh = m->heads, nkv = m->kv_heads;
     const int qkv_n = (nh + 2 * nkv) * hd, I = m->inter;
     rmsnorm(x, L->norm1, s->h, B, H, m->eps);
-    gemv(&L->qkv, s->h, s->sums, s->qkv, B);
+    gemv(m, &L->qkv, s->h, s->sums, s->qkv, B);
     for (int b = 0; b < B; b++) {
         float *row = s->qkv + (long)b * qkv_n;
         const float *c = m->cos + s->positions[b] * hd, *sn = m->sin + s->positions[b] * hd;
         for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, c, sn, hd); /* q heads then k heads */
         const float *k = row + nh * hd, *v = k + nkv * hd;
         for (int h = 0; h < nkv; h++) {
-            const long at = (h * m->kv_slots + s->new_slots[b]) * hd;
+            const long at = (h * m->kv_slots + slot_of(s, b, s->positions[b])) * hd;
             const float *kh = k + h * hd, *vh = v + h * hd;
             if (m->kv16) { /* round to nearest even, as torch's .half() does on the prefill path */
                 uint16_t *kd = (uint16_t *)L->k_cache + at, *vd = (uint16_t *)L->v_cache + at;
@@ -280,11 +301,11 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
         }
     }
     attention(m, L, s);
-    gemv(&L->o, s->attn, s->sums, s->tmp, B);
+    gemv(m, &L->o, s->attn, s->sums, s->tmp, B);
     for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
     rmsnorm(x, L->norm2, s->h, B, H, m->eps);
-    gemv(&L->gate_up, s->h, s->sums, s->gu, B);
-#pragma omp parallel for schedule(static)
+    gemv(m, &L->gate_up, s->h, s->sums, s->gu, B);
+#pragma omp parallel for schedule(static) num_threads(m->threads > 0 ? m->threads : 1)
     for (int b = 0; b < B; b++) {
         const float *g = s->gu + (long)b * 2 * I, *u = g + I;
         float *a = s->act + (long)b * I;
@@ -296,6 +317,6 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
         }
         for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    gemv(&L->down, s->act, s->sums, s->tmp, B);
+    gemv(m, &L->down, s->act, s->sums, s->tmp, B);
     for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
 }

@@ -84,8 +84,8 @@ static inline __m256 dot32(const __m256 w[4], const float *xg) {
 ROW_KERNEL(row_q4, uint8_t, 16, unpack_q4)
 ROW_KERNEL(row_q8, int8_t, 32, unpack_q8)
 
-/* The same kernels 16 lanes wide, for CPUs with AVX-512 (chosen once at run time; set
- * QUILL_NO_AVX512=1 to force the AVX2 path). Per item the order is again fixed. */
+/* The same kernels 16 lanes wide, for CPUs with AVX-512 (chosen per call by the caller's `isa`;
+ * QUILL_NO_AVX512=1 makes Python's default AVX2). Per item the order is again fixed. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 AVX512 static inline void unpack_q4_512(const uint8_t *src, __m512 w[2]) {
@@ -165,24 +165,25 @@ AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
 ROW_KERNEL_512(row_q4_512, uint8_t, 16, unpack_q4_512)
 ROW_KERNEL_512(row_q8_512, int8_t, 32, unpack_q8_512)
 
-static int use_avx512(void) {
+/* What the CPU can run (a fact, probed once): 1 = the 16-lane kernels (AVX-512 F and BW). Which
+ * width a call uses is its caller's choice, passed in as `isa` -- never read from here. */
+int quill_hw_avx512(void) {
     static int cached = -1;
-    if (cached < 0) {
-        const char *off = getenv("QUILL_NO_AVX512");
-        cached = !(off && off[0] == '1') && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    }
+    if (cached < 0) cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     return cached;
 }
 
-int quill_kernel_isa(void) { return use_avx512() ? 512 : 256; }
+/* The width a call with `isa` (256 or 512) runs: 512 only where the CPU has it. */
+int quill_isa_used(int isa) { return isa >= 512 && quill_hw_avx512() ? 512 : 256; }
 
-/* out (B, N) = x (B, K) @ W.T ; xs is scratch of B*G floats. */
+/* out (B, N) = x (B, K) @ W.T ; xs is scratch of B*G floats. isa: 512 = the AVX-512 rows where the
+ * CPU has them, else AVX2; threads: the OpenMP team for this call (the caller's own count). */
 #define GEMV_FN(NAME, CODE_T, BYTES_PER_GROUP, ROW, ROW512)                                          \
     void NAME(const CODE_T *codes, const float *scale, const float *mins, const float *x, float *xs,  \
-              float *out, int N, int G, int B) {                                                     \
+              float *out, int N, int G, int B, int isa, int threads) {                               \
         group_sums(x, xs, B, G);                                                                     \
-        const int wide = use_avx512();                                                               \
-        _Pragma("omp parallel for schedule(static)")                                                 \
+        const int wide = quill_isa_used(isa) == 512;                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")          \
         for (int n = 0; n < N; n++) {                                                                \
             const CODE_T *row = codes + (long)n * G * BYTES_PER_GROUP;                               \
             const int tile = wide ? TILE512 : TILE;                                                  \
@@ -198,8 +199,9 @@ GEMV_FN(quill_gemv_q8, int8_t, 32, row_q8, row_q8_512)
 
 /* Dequantize rows [0, N) into out (N, K) fp32: the reused tile buffer prefill GEMMs read. */
 #define DEQUANT_FN(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                            \
-    void NAME(const CODE_T *codes, const float *scale, const float *mins, float *out, int N, int G) { \
-        _Pragma("omp parallel for schedule(static)")                                                 \
+    void NAME(const CODE_T *codes, const float *scale, const float *mins, float *out, int N, int G,  \
+              int threads) {                                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")          \
         for (int n = 0; n < N; n++)                                                                  \
             for (int g = 0; g < G; g++) {                                                            \
                 __m256 w[4];                                                                         \
