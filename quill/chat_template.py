@@ -1,8 +1,12 @@
-"""Chat templates: Hugging Face-compatible Jinja rendered in an immutable sandbox."""
+"""Chat templates: Hugging Face-compatible Jinja rendered in an immutable, bounded sandbox."""
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
+import operator
+import time
 from datetime import datetime
 from functools import lru_cache
 
@@ -10,10 +14,82 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+
+# A template comes with the model file: untrusted code. The sandbox stops it from touching
+# Python; these stop it from running forever or filling memory.
+MAX_RENDER_SECONDS = 2.0
+MAX_OUTPUT_CHARS = 8 * 1024 * 1024  # the prompt a template may write (and any one string it builds)
+_MAX_EXPONENT = 4096  # `a ** b`: a huge b takes unbounded time inside one operation
 
 
 class ChatTemplateError(ValueError):
     """A chat template is missing, does not compile, or failed while rendering."""
+
+
+class ChatTemplateLimitError(ChatTemplateError):
+    """A chat template ran past MAX_RENDER_SECONDS or built text past MAX_OUTPUT_CHARS."""
+
+
+class _RenderBudget:
+    """One render's deadline; the sandbox hooks and every loop iteration check it."""
+
+    def __init__(self, seconds: float, max_chars: int):
+        self.seconds = seconds
+        self.max_chars = max_chars
+        self.deadline = time.monotonic() + seconds
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ChatTemplateLimitError(f"chat template: rendering exceeded the limit of {self.seconds:g} s")
+
+    def check_size(self, size: int, what: str) -> None:
+        if size > self.max_chars:
+            raise ChatTemplateLimitError(
+                f"chat template: {what} is {size:,} characters, over the limit of {self.max_chars:,}")
+
+
+# The render in progress on this thread / task (hooks such as filters get no render context).
+_BUDGET: contextvars.ContextVar[_RenderBudget | None] = contextvars.ContextVar("quill_chat_template_budget", default=None)
+
+
+def _budget() -> _RenderBudget:
+    return _BUDGET.get() or _RenderBudget(MAX_RENDER_SECONDS, MAX_OUTPUT_CHARS)
+
+
+def _size(value) -> int | None:
+    return len(value) if isinstance(value, (str, list, tuple, dict)) else None
+
+
+def _check_result(value, what: str):
+    size = _size(value)
+    if size is not None:
+        _budget().check_size(size, what)
+    return value
+
+
+def _check_int_args(args, kwargs, what: str) -> None:
+    """A width or count argument (center(10**9), indent, wordwrap) would build a huge string."""
+    limit = _budget().max_chars
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise ChatTemplateLimitError(f"chat template: {what} got {value:,}, over the limit of {limit:,}")
+
+
+def _loop_items(iterable):
+    """Wraps the iterable of every {% for %}: a loop without output or calls still checks the clock."""
+    budget = _budget()
+    for item in iterable:
+        budget.check_time()
+        yield item
+
+
+class _BoundedNamespace(Namespace):
+    """namespace() whose attributes cannot hold a string or list over the size limit."""
+
+    def __setitem__(self, name, value):
+        _check_result(value, f"namespace attribute {name!r}")
+        super().__setitem__(name, value)
 
 
 def _raise_exception(message: str):
@@ -44,16 +120,80 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with the clock checked on every call, attribute and item access,
+    and repetition / concatenation / power refused when the result would be too big."""
+
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+        _budget().check_time()
+        if isinstance(getattr(__obj, "__self__", None), str):  # "x".center(10**9), "x".ljust(...)
+            _check_int_args(args, kwargs, f"{getattr(__obj, '__name__', 'a str method')}()")
+        for value in (*args, *kwargs.values()):  # macro arguments built by ~ (which has no hook)
+            _check_result(value, "an argument")
+        return _check_result(super().call(__context, __obj, *args, **kwargs), "a call's result")
+
+    def getattr(self, obj, attribute):
+        _budget().check_time()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _budget().check_time()
+        return super().getitem(obj, argument)
+
+    def call_binop(self, context, operator_name, left, right):
+        budget = _budget()
+        budget.check_time()
+        if operator_name == "*":
+            for seq, count in ((left, right), (right, left)):
+                if _size(seq) is not None and isinstance(count, int):
+                    budget.check_size(_size(seq) * max(count, 0), "a repeated string or list")
+        elif operator_name == "+" and _size(left) is not None and _size(right) is not None:
+            budget.check_size(_size(left) + _size(right), "a concatenation")
+        elif operator_name == "**" and isinstance(right, (int, float)) and abs(right) > _MAX_EXPONENT:
+            if isinstance(left, (int, float)) and abs(left) > 1:
+                raise ChatTemplateLimitError(f"chat template: exponent {right:,} is over the limit of {_MAX_EXPONENT:,}")
+        return self.binop_table[operator_name](left, right)
+
+
+def _bounded_filter(fn):
+    @functools.wraps(fn)  # keeps jinja's pass_context / pass_environment marks
+    def bounded(*args, **kwargs):
+        _budget().check_time()
+        _check_int_args(args[1:], kwargs, "a filter argument")
+        return _check_result(fn(*args, **kwargs), "a filter's result")
+
+    return bounded
+
+
+_LOOP_HELPER = "_quill_loop_items"
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(fn) for name, fn in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _BoundedNamespace
+    env.globals[_LOOP_HELPER] = _loop_items
     return env
+
+
+def _bound_loops(ast: jinja2.nodes.Template) -> jinja2.nodes.Template:
+    """Route every {% for %} iterable through _loop_items (nested range() loops emit nothing and
+    call nothing, so no other hook would see them)."""
+    for node in ast.find_all((jinja2.nodes.Name, jinja2.nodes.Macro)):
+        if node.name == _LOOP_HELPER and (isinstance(node, jinja2.nodes.Macro) or node.ctx != "load"):
+            raise ChatTemplateError(f"chat template may not define {_LOOP_HELPER!r} (a name quill reserves)")
+    for loop in ast.find_all(jinja2.nodes.For):
+        loop.iter = jinja2.nodes.Call(jinja2.nodes.Name(_LOOP_HELPER, "load"), [loop.iter], [], None, None, lineno=loop.lineno)
+    return ast
 
 
 _ENVIRONMENT = _make_environment()
@@ -65,7 +205,7 @@ def compile_chat_template(template: str) -> jinja2.Template:
     if not isinstance(template, str):
         raise ChatTemplateError(f"chat template must be a string, got {type(template).__name__}")
     try:
-        return _ENVIRONMENT.from_string(template)
+        return _ENVIRONMENT.from_string(_bound_loops(_ENVIRONMENT.parse(template)))
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template has a syntax error at line {exc.lineno}: {exc.message}") from exc
     except jinja2.exceptions.TemplateError as exc:
@@ -91,12 +231,15 @@ def render_chat_template(
     tools: list[dict] | None = None,
     documents: list[dict] | None = None,
     special_tokens: dict[str, str | None] | None = None,
+    max_seconds: float = MAX_RENDER_SECONDS,
+    max_chars: int = MAX_OUTPUT_CHARS,
     **kwargs,
 ) -> str:
     """Render `messages` like transformers' apply_chat_template(tokenize=False).
 
     `special_tokens` (bos_token, eos_token, ...) become template variables; None values are left
-    undefined so `{{ bos_token }}` renders "" rather than "None", as in transformers.
+    undefined so `{{ bos_token }}` renders "" rather than "None", as in transformers. A render
+    past `max_seconds`, or text past `max_chars`, raises ChatTemplateLimitError.
     """
     if template is None:
         raise ChatTemplateError(
@@ -112,10 +255,28 @@ def render_chat_template(
         documents=documents,
         add_generation_prompt=bool(add_generation_prompt),
     )
+    token = _BUDGET.set(_RenderBudget(max_seconds, max_chars))
     try:
-        return compiled.render(**variables)
+        return _render_bounded(compiled, variables)
+    except ChatTemplateLimitError:
+        raise
+    except RecursionError as exc:
+        raise ChatTemplateLimitError("chat template: rendering recursed too deeply (macros calling themselves?)") from exc
     except jinja2.exceptions.TemplateError as exc:
         # raise_exception(), undefined attributes, sandbox violations.
         raise ChatTemplateError(f"chat template rejected the conversation: {exc}") from exc
     except Exception as exc:  # a template is untrusted code: any failure is the template's, not ours
         raise ChatTemplateError(f"chat template failed while rendering: {type(exc).__name__}: {exc}") from exc
+    finally:
+        _BUDGET.reset(token)
+
+
+def _render_bounded(compiled: jinja2.Template, variables: dict) -> str:
+    budget = _budget()
+    pieces, size = [], 0
+    for piece in compiled.generate(**variables):
+        size += len(piece)
+        budget.check_size(size, "the rendered prompt")
+        budget.check_time()
+        pieces.append(piece)
+    return "".join(pieces)
