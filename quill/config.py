@@ -155,3 +155,4 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fault_injection: bool = False  # tests and `quill bench soak` only: lets requests arm a FaultPlan phase

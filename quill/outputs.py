@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -11,11 +12,11 @@ class CompletionOutput:
 
     index: int
     text: str  # full text so far (stop string stripped)
-    token_ids: list[int]
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    token_ids: "Sequence[int]"  # a list once finished; while running, a no-copy view of the ids so far
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     delta_text: str = ""  # new text since the previous output (safe to stream)
     stop_reason: str | int | None = None
-    logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob), ...]}
+    logprobs: "Sequence[dict] | None" = None  # per token (a view while running, like token_ids): {"token_id", "logprob", "top": [(id, logprob), ...]}
     metrics: dict = field(default_factory=dict)
 
     @property
@@ -33,6 +34,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the request failed inside the engine (finish_reason "error")
 
     @property
     def text(self) -> str:

@@ -35,7 +35,7 @@ def build_quill(hf_model, block_size=4, num_blocks=64, kv_dtype=torch.float32, m
 def run_chunk(runner, bm, seq, start, n):
     """One sequence's chunk through runner.forward (decodes take the fused C path when built)."""
     assert bm.allocate(seq, n)
-    hidden, _ = runner.forward([ScheduledSeq(seq, start, n)])
+    hidden, _ = runner.forward([ScheduledSeq.plan(seq, start, n)])
     seq.num_computed_tokens = start + n
     return runner.model.compute_logits(hidden)  # (n, V)
 
@@ -119,7 +119,7 @@ def test_batched_decode_matches_single():
         run_chunk(runner, bm, s, 0, s.num_prompt_tokens - 1)
     for s in seqs:
         assert bm.allocate(s, 1)
-    hidden, _ = runner.forward([ScheduledSeq(s, s.num_prompt_tokens - 1, 1) for s in seqs])
+    hidden, _ = runner.forward([ScheduledSeq.plan(s, s.num_prompt_tokens - 1, 1) for s in seqs])
     batched = runner.model.compute_logits(hidden)
     with torch.no_grad():
         refs = torch.cat([hf(torch.tensor([list(s.prompt_token_ids)])).logits[0, -1:] for s in seqs])

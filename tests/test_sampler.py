@@ -241,8 +241,41 @@ def test_shorter_mask_disallows_the_rest_and_empty_mask_fails():
     logits[0, V - 1] = 10.0
     short = torch.tensor([False, True])
     assert sampler(logits, [row(SamplingParams(temperature=0), mask=short)]).token_ids == [1]
-    with pytest.raises(ValueError, match="allows no token"):
-        sampler(logits, [row(SamplingParams(temperature=0), mask=torch.zeros(V, dtype=torch.bool))])
+    out = sampler(logits, [row(SamplingParams(temperature=0), mask=torch.zeros(V, dtype=torch.bool))])
+    assert out.token_ids == [-1] and "allows no token" in str(out.errors[0])
+
+
+def test_a_failing_row_fails_alone_and_the_others_are_unchanged():
+    """One row with an empty mask, one with NaN logits, one whose every token is blocked: each
+    fails with its own reason; the healthy rows pick exactly what they pick without them."""
+    sampler = Sampler(V, (EOS,))
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, V, generator=gen)
+    logits[3, 2] = float("nan")
+    logits[4] = float("-inf")
+    healthy = [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=0.8, seed=3), generator=torch.Generator().manual_seed(3))]
+    bad = [row(SamplingParams(temperature=0), mask=torch.zeros(V, dtype=torch.bool)), row(SamplingParams(temperature=0, logprobs=1)),
+           row(SamplingParams(temperature=0.5))]
+    mixed = sampler(logits, healthy[:1] + [healthy[1]] + bad)
+    assert set(mixed.errors) == {2, 3, 4}
+    assert "allows no token" in str(mixed.errors[2]) and "NaN" in str(mixed.errors[3]) and "masked" in str(mixed.errors[4])
+    assert mixed.token_ids[2:] == [-1, -1, -1] and mixed.logprobs[3] is None
+    alone = sampler(logits[:2], [row(SamplingParams(temperature=0)),
+                                 row(SamplingParams(temperature=0.8, seed=3), generator=torch.Generator().manual_seed(3))])
+    assert alone.token_ids == mixed.token_ids[:2] and not alone.errors
+
+
+def test_min_tokens_against_a_runner_applied_grammar_lets_the_grammar_win():
+    """The runner masks logits itself and marks the row constrained (no allowed_mask): when the
+    grammar allows only EOS, min_tokens must not leave the row with nothing to draw."""
+    sampler = Sampler(V, (EOS,))
+    logits = torch.full((1, V), float("-inf"))
+    logits[0, EOS] = 0.0  # what MaskWorker leaves when only EOS is allowed
+    params = SamplingParams(temperature=0.7, min_tokens=8, seed=1)
+    out = sampler(logits, [SamplingRow(params, (), (), torch.Generator().manual_seed(1), constrained=True)])
+    assert out.token_ids == [EOS] and not out.errors
+    unconstrained = sampler(logits, [SamplingRow(params, (), (), torch.Generator().manual_seed(1))])
+    assert 0 in unconstrained.errors  # without the mark, min_tokens blocks the only token: that row fails alone
 
 
 def test_grammar_that_only_allows_eos_wins_over_min_tokens():

@@ -4,6 +4,7 @@ and a real `quill serve --enable-fault-injection` under a 60 s storm (slow)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -67,6 +68,8 @@ class Mock:
             return False
         if "stream_options" in body and body["stream_options"] != {"include_usage": True}:
             return False
+        if "guided_choice" in body and self.flaws.get("no_guided"):
+            return False
         return body.get("guided_choice", ["yes", "no", "maybe"]) == ["yes", "no", "maybe"]
 
     def words(self, body: dict) -> list[str]:
@@ -112,7 +115,7 @@ class Mock:
                 try:
                     yield 'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
                     for i, word in enumerate(words):
-                        await asyncio_sleep(0.002)
+                        await asyncio.sleep(0.002)
                         if fault and i == 1:
                             yield f"data: {json.dumps({'error': {'message': f'injected at {fault}', 'code': 500}})}\n\n"
                             break
@@ -130,12 +133,6 @@ class Mock:
 
         return Starlette(routes=[Route("/v1/models", models), Route("/v1/stats", stats),
                                  Route("/v1/chat/completions", chat, methods=["POST"])])
-
-
-async def asyncio_sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
 
 
 def run_cli(*argv: str) -> int:
@@ -196,13 +193,16 @@ def test_broken_mock_fails_each_criterion_with_evidence(tmp_path, capsys):
     assert "result: FAIL" in out and "FAIL  no leaked KV blocks" in out and "5xx: bad" in out
 
 
-def test_server_without_stats_says_not_available(tmp_path, capsys):
-    code, result = run_mock(Mock(stats=False), tmp_path, "--duration", "0.5", "--concurrency", "2",
-                            "--max-tokens", "4", "--disconnect", "0", "--bad-input", "0")
+def test_server_without_stats_or_guided_decoding(tmp_path, capsys):
+    code, result = run_mock(Mock(stats=False, no_guided=True), tmp_path, "--duration", "0.5", "--concurrency", "2",
+                            "--max-tokens", "4", "--disconnect", "0", "--bad-input", "0", "--faulty", "0.5")
     out = capsys.readouterr().out
     assert code == 0, out
     assert verdicts(result)["no leaked KV blocks"] is None and verdicts(result)["RSS growth < 5%"] is None
     assert "server gauges: not available" in out and "n/a   no leaked KV blocks" in out
+    # The constrained pool item is left out (and named), not counted as a refusal.
+    assert list(result["skipped_pool_items"]) == ["guided-choice"] and "guided-choice left out" in out
+    assert "guided-choice" not in {r["case"].split("/")[-1] for r in result["requests"]}
 
 
 def test_arguments_and_unreachable_server(capsys):
@@ -257,7 +257,7 @@ def test_config_validation():
 # ---- the real server -----------------------------------------------------------------------------
 
 REAL_STORM = ("--duration", "60", "--concurrency", "8", "--disconnect", "0.3", "--bad-input", "0.1",
-              "--faulty", "0.05", "--max-tokens", "24", "--seed", "1")
+              "--faulty", "0.05", "--max-tokens", "24", "--seed", "1", "--request-timeout", "300")
 
 
 @pytest.mark.slow

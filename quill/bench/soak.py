@@ -42,8 +42,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "growth. Criteria: no 5xx, no lost request, no healthy request refused, no healthy reply "
                     "different from its reference, no leaked KV block, RSS growth under 5%. Exit code 0 only "
                     "when every criterion passes (one the server cannot report, without /v1/stats, is n/a).",
-        epilog="Fault injection needs a quill server started with --enable-fault-injection; other servers "
-               "ignore the X-Quill-Fault header, so their faulty requests simply finish.",
+        epilog="Fault injection needs a quill server started with --enable-fault-injection (without it quill "
+               "refuses the X-Quill-Fault header with a 400, counted as refused); other servers ignore the "
+               "header, so their faulty requests simply finish.",
     )
     parser.add_argument("--base-url", required=True, metavar="URL",
                         help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
@@ -100,8 +101,10 @@ def mib(value: int | None) -> str:
 
 def criteria(counts: dict, before: dict | None, after: dict | None, idle: bool, rss_limit: float) -> list[dict]:
     """One row per health criterion: name, measured value, passed (None: the server cannot tell)."""
+    by_kind = ", ".join(f"{kind} {n}" for kind in KINDS if (n := counts["outcomes"][kind].get("server_error")))
     rows = [
-        {"name": "no 5xx", "value": counts["server_errors"], "passed": counts["server_errors"] == 0},
+        {"name": "no 5xx", "value": f"{counts['server_errors']}" + (f" ({by_kind})" if by_kind else ""),
+         "passed": counts["server_errors"] == 0},
         {"name": "no lost requests", "value": counts["lost"], "passed": counts["lost"] == 0},
         {"name": "no healthy request refused (4xx)", "value": counts["refused"], "passed": counts["refused"] == 0},
         {"name": "no healthy mismatches", "value": counts["mismatches"], "passed": counts["mismatches"] == 0},
@@ -144,8 +147,10 @@ async def soak(config: SoakConfig, out: TextIO, progress: bool = False) -> dict:
         print(f"quill bench soak: {config.base_url} model {model!r}, {config.duration_s:g} s, concurrency "
               f"{config.concurrency}, disconnect {config.disconnect:g}, bad input {config.bad_input:g}, "
               f"faulty {config.faulty:g}, max_tokens {config.max_tokens}, seed {config.seed}", file=out)
-        references = await reference_texts(client, model, pool, config.max_tokens, config.request_timeout_s)
-        print(f"references: {len(pool)} pool prompts run alone", file=out)
+        references, skipped = await reference_texts(client, model, pool, config.max_tokens, config.request_timeout_s)
+        pool = [item for item in pool if item.name in references]
+        print(f"references: {len(pool)} pool prompts run alone"
+              + "".join(f"; {name} left out, the server refused it ({why})" for name, why in skipped.items()), file=out)
         before = await read_gauges(client)
         context = (before or {}).get("max_model_len") or 32768
         storm = Storm(config, model, int(context), pool, references)
@@ -160,7 +165,7 @@ async def soak(config: SoakConfig, out: TextIO, progress: bool = False) -> dict:
     passed = all(row["passed"] is not False for row in rows)
     return {
         "config": {**config.__dict__, "api_key": "***" if config.api_key else None},
-        "model": model, "storm_seconds": round(seconds, 3), "references": references,
+        "model": model, "storm_seconds": round(seconds, 3), "references": references, "skipped_pool_items": skipped,
         "counts": counts, "gauges_before": before, "gauges_after": after, "idle": idle,
         "settle_seconds": round(waited, 3), "rss_growth": rss_growth(before, after),
         "criteria": rows, "passed": passed,
@@ -186,6 +191,8 @@ def print_report(result: dict, out: TextIO) -> None:
             continue
         cells = ", ".join(f"{n} {name}" for name in OUTCOMES if (n := counts["outcomes"][kind].get(name)))
         print(f"  {kind:<11}{sent[kind]:>6} sent: {cells}", file=out)
+    if counts["outcomes"]["faulty"].get("refused"):
+        print("  hint: faulty requests were refused; a quill server needs --enable-fault-injection", file=out)
     if counts["accepted_cases"]:
         print(f"  bad inputs answered 2xx (noted, not a failure): {', '.join(counts['accepted_cases'])}", file=out)
     for title, key in (("5xx", "server_error_samples"), ("lost", "lost_samples"),

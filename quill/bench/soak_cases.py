@@ -10,6 +10,7 @@ from typing import Callable
 from quill.bench.workloads import make_text
 
 FAULT_HEADER = "X-Quill-Fault"
+GUIDED_ITEM = "guided-choice"  # the pool item that reaches a server's grammar code
 
 
 @dataclass(frozen=True)
@@ -21,11 +22,16 @@ class PoolItem:
     temperature: float = 0.0
     top_p: float | None = None
     seed: int | None = None
+    guided_choice: tuple[str, ...] | None = None  # optional: dropped from the pool if the server refuses it
+
+    @property
+    def optional(self) -> bool:
+        return self.guided_choice is not None
 
 
 def healthy_pool(seed: int = 0) -> list[PoolItem]:
-    """Greedy prompts of a few lengths (one long enough to take several prefill chunks) and two
-    seeded samplers; `seed` shifts the sampling seeds and the long prompt's text."""
+    """Greedy prompts of a few lengths (one long enough to take several prefill chunks), two seeded
+    samplers and one constrained choice; `seed` shifts the sampling seeds and the long prompt's text."""
     document = make_text(random.Random(seed), 900)  # ~220 tokens
     user = lambda text: ({"role": "user", "content": text},)  # noqa: E731
     return [
@@ -37,6 +43,7 @@ def healthy_pool(seed: int = 0) -> list[PoolItem]:
         PoolItem("greedy-long", user("Summarize this text in one sentence.\n\n" + document)),
         PoolItem("seeded-fox", user("Tell me a short story about a fox."), temperature=0.9, top_p=0.95, seed=seed + 7),
         PoolItem("seeded-boat", user("Invent a name for a boat and say why."), temperature=0.7, seed=seed + 42),
+        PoolItem(GUIDED_ITEM, user("Is the sky blue? Answer yes or no."), guided_choice=("yes", "no", "maybe")),
     ]
 
 
@@ -47,6 +54,8 @@ def healthy_body(item: PoolItem, model: str, max_tokens: int, stream: bool, incl
         body["top_p"] = item.top_p
     if item.seed is not None:
         body["seed"] = item.seed
+    if item.guided_choice is not None:
+        body["guided_choice"] = list(item.guided_choice)
     if stream and include_usage:
         body["stream_options"] = {"include_usage": True}
     return body

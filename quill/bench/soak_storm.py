@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from quill.bench.soak_cases import BAD_CASES, FAULT_HEADER, PoolItem, bad_body, healthy_body, healthy_pool
+from quill.bench.soak_cases import BAD_CASES, FAULT_HEADER, GUIDED_ITEM, PoolItem, bad_body, healthy_body
 
 KINDS = ("healthy", "disconnect", "bad", "faulty")
 
@@ -246,11 +246,12 @@ class Storm:
             body = healthy_body(item, self.model, cfg.max_tokens, stream, include_usage=rng.random() < 0.5)
             if kind == "faulty":
                 phase = rng.choice(self.phases)
+                guided = [p for p in self.pool if p.name == GUIDED_ITEM]
+                if phase == "grammar" and guided:  # reached only by a constrained request
+                    item, expected = guided[0], self.references[GUIDED_ITEM]
+                    body = healthy_body(item, self.model, cfg.max_tokens, stream, include_usage=rng.random() < 0.5)
                 headers[FAULT_HEADER] = phase
                 case = f"{phase}/{item.name}"
-                if phase == "grammar":  # reached only by a constrained request
-                    body["guided_choice"] = ["yes", "no", "maybe"]
-                    expected = None
             elif kind == "disconnect":
                 if rng.random() < 0.25:
                     cut_s = rng.uniform(0.0, 1.0)  # may land before the headers: in the queue or prefill
@@ -281,17 +282,23 @@ class Storm:
 
 
 async def reference_texts(client: httpx.AsyncClient, model: str, pool: list[PoolItem], max_tokens: int,
-                          timeout_s: float) -> dict[str, str]:
-    """Each pool item run alone, one after another: the text every storm reply must equal."""
-    references = {}
+                          timeout_s: float) -> tuple[dict[str, str], dict[str, str]]:
+    """Each pool item run alone, one after another: the text every storm reply must equal.
+
+    Returns (references, skipped): an optional item the server refuses with a 4xx (a server
+    without guided decoding) is skipped, with the reason; any other failure raises RuntimeError."""
+    references, skipped = {}, {}
     for item in pool:
         content = json.dumps(healthy_body(item, model, max_tokens, stream=True)).encode()
         reply = await timed_send(client, content, True, {}, None, None, timeout_s)
         outcome, detail = classify("healthy", reply, None)
-        if outcome != "completed":
+        if outcome == "refused" and item.optional:
+            skipped[item.name] = detail or "refused"
+        elif outcome != "completed":
             raise RuntimeError(f"reference request {item.name!r} failed alone ({outcome}: {detail})")
-        references[item.name] = reply.text
-    return references
+        else:
+            references[item.name] = reply.text
+    return references, skipped
 
 
 # ---- the server's own gauges (quill's GET /v1/stats) ----------------------------------------------

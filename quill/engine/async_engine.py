@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -11,7 +12,7 @@ from typing import AsyncIterator, Callable
 
 from quill.config import EngineConfig
 from quill.engine.engine import LLMEngine
-from quill.engine.errors import AdmissionError
+from quill.engine.errors import AdmissionError, RequestFailed
 from quill.outputs import CompletionOutput, RequestOutput
 from quill.sampling_params import SamplingParams
 
@@ -77,9 +78,13 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, fault: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. A failure of this request alone raises RequestFailed after
+        its last output; `fault` (a quill.engine.faults phase) needs EngineConfig.fault_injection."""
         if not self._admitting:
             raise AdmissionError("server is shutting down", code="shutting_down", status=503)
+        if fault is not None:
+            self.engine.check_fault_phase(fault)
         if params.constrained:  # compiling a grammar can take a while: keep it off the event loop
             await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
         else:
@@ -87,7 +92,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
-        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, time.perf_counter())))
+        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, time.perf_counter(), fault)))
         self._wake.set()
         finished = False
         try:
@@ -95,6 +100,9 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finished and item.error is not None:  # this request alone failed in the engine
+                    finished = True
+                    raise RequestFailed(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -109,7 +117,7 @@ class AsyncEngine:
         self._wake.set()
 
     def stats(self) -> dict:
-        return dict(self._gauges)
+        return {**self._gauges, "process_rss_bytes": process_rss_bytes()}
 
     # ---- the loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -122,7 +130,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # a bug must not hang every client: fail them all and go on
+            except Exception as e:  # noqa: BLE001 - per-request failures never get here (LLMEngine.step
+                # isolates them); this is a bug in the engine itself: fail everyone rather than hang them
                 logger.exception("engine step failed")
                 for request_id in list(self.engine.requests):
                     self.engine.abort(request_id)
@@ -139,11 +148,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request_id, ids, params, prompt, arrival = payload
+                request_id, ids, params, prompt, arrival, fault = payload
                 if request_id not in self._streams:
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(request_id, ids, params, prompt=prompt, arrival_time=arrival)
+                    self.engine.add_request(request_id, ids, params, prompt=prompt, arrival_time=arrival, fault=fault)
                 except Exception as e:
                     self._deliver_error(request_id, e)
             elif kind == "abort":
@@ -173,6 +182,15 @@ class AsyncEngine:
         if target is not None:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, error)
+
+
+def process_rss_bytes() -> int | None:
+    """This process's resident set size (Linux /proc), for soak tests watching for leaks."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def warmup(engine: LLMEngine) -> None:

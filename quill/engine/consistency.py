@@ -14,7 +14,7 @@ def chunk_logits(engine, seq: Sequence, start: int, n: int) -> torch.Tensor:
     runner = engine.runner
     if not engine.block_manager.allocate(seq, n):
         raise RuntimeError("not enough KV blocks for the consistency check")
-    hidden, _ = runner.forward([ScheduledSeq(seq, start, n)])  # (n, H): decodes take the fused path
+    hidden, _ = runner.forward([ScheduledSeq.plan(seq, start, n)])  # (n, H): decodes take the fused path
     seq.num_computed_tokens = start + n
     return runner.model.compute_logits(hidden)
 
@@ -26,11 +26,12 @@ def prefill_vs_decode(engine, token_ids: list[int], num_prefill: int) -> tuple[t
         raise ValueError(f"num_prefill must be in [1, {len(token_ids) - 1}], got {num_prefill}")
     bm = engine.block_manager
     full = Sequence("consistency-full", token_ids, SamplingParams())
-    step = Sequence("consistency-step", token_ids, SamplingParams())
+    step = Sequence("consistency-step", token_ids[:num_prefill], SamplingParams())
     try:
         a = chunk_logits(engine, full, 0, len(token_ids))[num_prefill - 1 :]
         rows = [chunk_logits(engine, step, 0, num_prefill)[-1:]]
         for pos in range(num_prefill, len(token_ids)):
+            step.append_token(token_ids[pos], 0.0)  # as decode grows a sequence: each row is a decode row
             rows.append(chunk_logits(engine, step, pos, 1))
         return a, torch.cat(rows)
     finally:

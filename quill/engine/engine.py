@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import gc
+import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from quill.config import EngineConfig, resolve_kv_dtype
 from quill.engine.block_manager import BlockManager
 from quill.engine.errors import AdmissionError
+from quill.engine.faults import FAULT_PHASES, FaultPlan
 from quill.engine.kv_cache import KV_CACHE_DTYPES, KVCache, num_blocks_for
 from quill.engine.metrics import now
-from quill.engine.model_runner import ModelRunner
+from quill.engine.model_runner import ModelRunner, StepResult
 from quill.engine.request_state import RequestState
 from quill.engine.sampler import Sampler
-from quill.engine.scheduler import Scheduler
+from quill.engine.scheduler import Scheduler, SchedulerOutput
 from quill.engine.sequence import Sequence, SequenceStatus
 from quill.engine.stats import EngineStats
 from quill.engine.stop_checker import StopChecker
@@ -34,6 +36,20 @@ class StepInfo:
     num_decode_tokens: int = 0
     seconds: float = 0.0
     preempted: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # requests that failed alone in this step
+
+
+# What a request was doing when it failed, for its error message (the keys are FAULT_PHASES).
+_PHASE_WORDS = {
+    "queued": "waiting to be scheduled",
+    "prefill": "preparing its prompt chunk",
+    "forward": "in the forward pass",
+    "decode": "preparing its decode row",
+    "sample": "sampling its next token",
+    "grammar": "applying its grammar",
+    "detokenize": "detokenizing its output",
+    "stop": "checking its stop conditions",
+}
 
 
 class LLMEngine:
@@ -59,21 +75,21 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)))
         # ids past the tokenizer's vocabulary are padding rows of the embedding: never sample them
         sampler = Sampler(min(self.model_config.vocab_size, self.tokenizer.vocab_size), self.eos_token_ids)
-        self.runner = ModelRunner(self.loaded.model, self.model_config, self.kv_cache, sampler, config.device)
+        self.faults = FaultPlan()  # armed only by tests and --enable-fault-injection
+        self.runner = ModelRunner(self.loaded.model, self.model_config, self.kv_cache, sampler, config.device,
+                                  faults=self.faults)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self.last_step = StepInfo()
         self.guided_compiler = None  # built lazily on the first constrained request
+        self._guided_lock = threading.Lock()  # validate() may run on another thread than step()
+        self._seq_ids = itertools.count()  # this engine's sequence numbers
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token (%s), %.1f MiB",
             num_blocks, cache.block_size, self.kv_cache.capacity_tokens, self.kv_cache.bytes_per_token / 1024,
             self.kv_cache_dtype, num_blocks * cache.block_size * self.kv_cache.bytes_per_token / 2**20,
         )
-        # everything alive now (model, tokenizer, caches) lives as long as the engine: keep the
-        # cyclic collector from rescanning it during decode steps
-        gc.collect()
-        gc.freeze()
 
     @property
     def model_name(self) -> str:
@@ -81,7 +97,10 @@ class LLMEngine:
 
     # ---- admission --------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Reject what can never run, naming the limit and the value."""
+        """Reject what can never run, naming the limit and the value.
+
+        Safe to call from another thread than step(): it reads configuration, compiles a grammar
+        through the thread-safe compiler, and reads the waiting queue's length; it changes nothing."""
         n = len(prompt_token_ids)
         if n == 0:
             raise AdmissionError("prompt is empty (0 tokens)", param="prompt")
@@ -105,7 +124,7 @@ class LLMEngine:
                 param="max_tokens", code="context_length_exceeded",
             )
         if params.constrained:
-            self._guided().validate(params)
+            self._grammar_compiler().validate(params)
         max_waiting = self.config.scheduler.max_waiting
         if max_waiting is not None and len(self.scheduler.waiting) >= max_waiting:
             raise AdmissionError(
@@ -113,27 +132,46 @@ class LLMEngine:
                 code="queue_full", status=503,
             )
 
+    def check_fault_phase(self, phase: str) -> None:
+        """Refuse a fault-injection request unless this engine allows it and the phase exists."""
+        if not self.config.fault_injection:
+            raise AdmissionError("fault injection is off (start the server with --enable-fault-injection)",
+                                 param="X-Quill-Fault")
+        if phase not in FAULT_PHASES:
+            raise AdmissionError(f"unknown fault phase {phase!r}; the phases are {', '.join(FAULT_PHASES)}",
+                                 param="X-Quill-Fault")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None, fault: str | None = None) -> None:
+        """Queue a request. `fault` (tests, soak runs) makes it fail at that phase; see faults.py."""
         if request_id in self.requests:
             raise AdmissionError(f"request id {request_id!r} is already running", param="request_id")
         self.validate(prompt_token_ids, params)
+        if fault is not None:
+            self.check_fault_phase(fault)
         arrival = arrival_time if arrival_time is not None else now()
-        seqs = [Sequence(request_id, prompt_token_ids, params, index=i, arrival_time=arrival) for i in range(params.n)]
+        seqs = [Sequence(request_id, prompt_token_ids, params, index=i, arrival_time=arrival, seq_id=next(self._seq_ids))
+                for i in range(params.n)]
         state = RequestState(request_id, prompt, list(prompt_token_ids), seqs, self.tokenizer)
         if params.constrained:
-            state.attach_matchers(self._guided())
+            state.attach_matchers(self._grammar_compiler())
+            if self.runner.guided is None:
+                from quill.engine.guided import MaskWorker
+
+                self.runner.guided = MaskWorker(self.requests_matcher)
+        if fault is not None:
+            self.faults.arm(request_id, fault)
         self.requests[request_id] = state
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _guided(self):
-        if self.guided_compiler is None:
-            from quill.engine.guided import GrammarCompiler, MaskWorker
+    def _grammar_compiler(self):
+        with self._guided_lock:
+            if self.guided_compiler is None:
+                from quill.engine.guided import GrammarCompiler
 
-            self.guided_compiler = GrammarCompiler(self.tokenizer.hf, self.eos_token_ids, self.model_config.vocab_size)
-            self.runner.guided = MaskWorker(self.requests_matcher)
-        return self.guided_compiler
+                self.guided_compiler = GrammarCompiler(self.tokenizer.hf, self.eos_token_ids, self.model_config.vocab_size)
+            return self.guided_compiler
 
     def requests_matcher(self, seq: Sequence):
         state = self.requests.get(seq.request_id)
@@ -155,52 +193,144 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. A failure in one request's own work (its rows' preparation, sampling,
+        grammar, detokenizing, stop check) finishes that request alone with finish_reason "error";
+        a failed forward pass is retried once without the batch's newest request."""
         outputs = self.step_aborted()
+        touched: dict[str, RequestState] = {}
+        if self.faults:
+            self._check_queued(touched)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting, none fit "
                                    f"({self.block_manager.num_free_blocks} free blocks)")
-            return outputs
-        num_prefill, num_decode = sched.num_prefill_tokens, sched.num_decode_tokens  # before tokens are appended
+            return outputs + [self._emit(state) for state in touched.values()]
         t0 = time.perf_counter()
-        result = self.runner.execute(sched)
+        if self.faults:
+            self._check_rows(sched, touched)
+        num_prefill, num_decode = sched.num_prefill_tokens, sched.num_decode_tokens  # before tokens are appended
+        result = self._execute(sched, touched)
         self.scheduler.postprocess(sched)
         when = now()
-        touched: dict[str, RequestState] = {}
+        for seq, phase, exc in result.failed:
+            self._fail(seq, phase, exc, touched)
         for seq, token_id, logprobs in result.sampled:
-            state = self.requests[seq.request_id]
-            self._accept_token(state, seq, token_id, logprobs, when)
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.is_finished:  # a sibling completion failed this step
+                continue
+            self._accept_token(state, seq, token_id, logprobs, when, touched)
             touched[seq.request_id] = state
         elapsed = time.perf_counter() - t0
-        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted])
+        failed = [rid for rid, state in touched.items() if state.error is not None]
+        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted], failed)
         self.stats.record_step(num_prefill, num_decode, elapsed, len(sched.preempted))
         for state in touched.values():
             outputs.append(self._emit(state))
         return outputs
+
+    def _check_queued(self, touched: dict) -> None:
+        for seq in list(self.scheduler.waiting):
+            try:
+                self.faults.check("queued", seq.request_id)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(seq, "queued", exc, touched)
+
+    def _check_rows(self, sched: SchedulerOutput, touched: dict) -> None:
+        """Each scheduled row's own preparation: a request that fails here leaves the batch."""
+        failed = []
+        for item in sched.scheduled:
+            try:
+                self.faults.check("decode" if item.is_decode else "prefill", item.seq.request_id)
+            except Exception as exc:  # noqa: BLE001
+                failed.append((item.seq, "decode" if item.is_decode else "prefill", exc))
+        self._drop(sched, failed, touched)
+
+    def _drop(self, sched: SchedulerOutput, failed: list, touched: dict) -> None:
+        """Fail these sequences' requests and take every row of those requests out of the step."""
+        if not failed:
+            return
+        gone = {seq.request_id for seq, _, _ in failed}
+        sched.without([item.seq for item in sched.scheduled if item.seq.request_id in gone])
+        for seq, phase, exc in failed:
+            self._fail(seq, phase, exc, touched)
+
+    def _execute(self, sched: SchedulerOutput, touched: dict) -> StepResult:
+        """Run the step; if the forward pass raises, retry once without the newest request, and
+        if that fails too, fail the requests of this batch (those waiting are untouched)."""
+        if sched.is_empty:
+            return StepResult([])
+        try:
+            return self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001
+            requests = {item.seq.request_id for item in sched.scheduled}
+            newest = max(sched.scheduled, key=lambda item: (item.seq.metrics.arrival_time, item.seq.seq_id)).seq
+            logger.exception("forward pass failed for a batch of %d request(s); retrying without the newest, %s",
+                             len(requests), newest.request_id)
+            self._drop(sched, [(newest, "forward", exc)], touched)
+            if len(requests) == 1:
+                return StepResult([])
+        try:
+            return self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("forward pass failed again; failing the %d request(s) of this batch",
+                             len({item.seq.request_id for item in sched.scheduled}))
+            self._drop(sched, [(item.seq, "forward", exc) for item in sched.scheduled], touched)
+            return StepResult([])
 
     def step_aborted(self) -> list[RequestOutput]:
         """Emit the final outputs of aborted requests without running the model."""
         done = [s for s in self.requests.values() if s.aborted]
         return [self._emit(s) for s in done]
 
-    def _accept_token(self, state: RequestState, seq: Sequence, token_id: int, logprobs, when: float) -> None:
+    def _accept_token(self, state: RequestState, seq: Sequence, token_id: int, logprobs, when: float,
+                      touched: dict) -> None:
         seq.append_token(token_id, when)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
-        matcher = state.matchers.get(seq.index)
-        if matcher is not None and not self._is_stop_token(seq, token_id):
-            matcher.accept(token_id)
-        text = state.detokenize(seq, token_id)
-        result = self.stop_checker.check(seq, text, state.new_chars(seq))
+        phase = "grammar"
+        try:
+            matcher = state.matchers.get(seq.index)
+            if self.faults:
+                self.faults.check("grammar", seq.request_id)
+            if matcher is not None and not self._is_stop_token(seq, token_id):
+                matcher.accept(token_id)
+            phase = "detokenize"
+            if self.faults:
+                self.faults.check("detokenize", seq.request_id)
+            text = state.detokenize(seq, token_id)
+            phase = "stop"
+            if self.faults:
+                self.faults.check("stop", seq.request_id)
+            result = self.stop_checker.check(seq, text, state.new_chars(seq))
+            if result is not None:
+                final = result.text
+                if result.finish_reason == "length":
+                    final += state.flush(seq)  # bytes of a character cut off by the limit
+        except Exception as exc:  # noqa: BLE001 - this request's failure alone
+            self._fail(seq, phase, exc, touched)
+            return
         if result is not None:
-            final = result.text
-            if result.finish_reason == "length":
-                final += state.flush(seq)  # bytes of a character cut off by the limit
             state.set_final_text(seq, final)
             seq.stop_reason = result.stop_reason
             status = SequenceStatus.FINISHED_STOPPED if result.finish_reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self._finish(seq, status, result)
+
+    def _fail(self, seq: Sequence, phase: str, exc: BaseException, touched: dict) -> None:
+        """Finish seq's whole request with finish_reason "error"; nothing else is touched."""
+        state = self.requests.get(seq.request_id)
+        if state is None:
+            return
+        if state.error is None:
+            state.error = f"request failed while {_PHASE_WORDS.get(phase, phase)}: {type(exc).__name__}: {exc}"
+            logger.error("request %s failed at phase %s: %s: %s", seq.request_id, phase, type(exc).__name__, exc,
+                         exc_info=exc if not type(exc).__name__ == "InjectedFault" else None)
+            self.stats.record_failure(phase)
+        for s in state.seqs:
+            if not s.is_finished:
+                self._finish(s, SequenceStatus.FINISHED_ERROR, None)
+        self.faults.disarm(seq.request_id)
+        touched[seq.request_id] = state
 
     def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
         return (token_id in self.eos_token_ids and not seq.params.ignore_eos) or token_id in seq.params.stop_token_ids
@@ -220,7 +350,8 @@ class LLMEngine:
     def _emit(self, state: RequestState) -> RequestOutput:
         out = state.make_output()
         if out.finished:
-            del self.requests[state.request_id]
+            self.requests.pop(state.request_id, None)
+            self.faults.disarm(state.request_id)
         return out
 
     # ---- gauges -------------------------------------------------------------------------------

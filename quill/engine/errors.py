@@ -11,3 +11,16 @@ class AdmissionError(ValueError):
         self.param = param
         self.code = code
         self.status = status
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (its own sampling, grammar, detokenizing or stop
+    check raised); the others in its batch carried on. Maps to HTTP 500 / an SSE error event."""
+
+    status = 500
+
+    def __init__(self, message: str, *, phase: str | None = None, code: str = "request_failed"):
+        super().__init__(message)
+        self.phase = phase
+        self.code = code
+        self.param = None

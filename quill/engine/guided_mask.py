@@ -34,8 +34,12 @@ class _Result:
     those elements plus a memset, instead of scanning whole rows with a bool mask.
     """
 
-    def __init__(self, rows: list[int], allowed: np.ndarray, vocab_size: int):
-        # allowed: (R, V) bool
+    def __init__(self, rows: list[int], allowed: np.ndarray, vocab_size: int, failed: dict[int, Exception] | None = None):
+        # allowed: (R, V) bool; failed: logits row -> why its mask could not be computed
+        self.failed = dict(failed or {})
+        if self.failed:  # a failed row's mask is not applied; the engine fails that request alone
+            good = [k for k, row in enumerate(rows) if row not in self.failed]
+            rows, allowed = [rows[k] for k in good], allowed[good]
         row_ids = np.asarray(rows, dtype=np.int64)
         keep = np.count_nonzero(allowed, axis=1) <= vocab_size // 2
         self.rows = rows
@@ -137,27 +141,44 @@ class MaskWorker:
 
     def _compute(self, rows: list[int], ll_pairs: list, vocab_size: int) -> _Result:
         bitmask = self._bitmask[: len(rows)]  # (R, W) int32, contiguous
+        failed: dict[int, Exception] = {}
         if self._executor is not None:
-            fill_next_token_bitmask_par(self._executor, ll_pairs, bitmask)
-        else:
-            for matcher, slot in ll_pairs:  # each call drops the GIL while it computes
+            try:
+                fill_next_token_bitmask_par(self._executor, ll_pairs, bitmask)
+                ll_pairs = []
+            except Exception:  # noqa: BLE001 - find the failing rows one by one below
+                pass
+        for matcher, slot in ll_pairs:  # each call drops the GIL while it computes
+            try:
+                if matcher.is_error():
+                    raise ValueError(f"the grammar matcher is in an error state: {matcher.get_error()}")
                 matcher.unsafe_compute_mask_ptr(bitmask[slot].ctypes.data, bitmask[slot].nbytes)
-        return _Result(rows, unpack_bitmask(bitmask, vocab_size), vocab_size)
+            except Exception as exc:  # noqa: BLE001 - that row fails alone
+                failed[rows[slot]] = exc
+        return _Result(rows, unpack_bitmask(bitmask, vocab_size), vocab_size, failed)
 
-    def apply(self, logits: torch.Tensor, _sequences: list | None = None) -> None:
+    def has_matcher(self, seq) -> bool:
+        """Whether `seq` is constrained (needs the matcher_for given at construction)."""
+        return self._matcher_for is not None and self._matcher_for(seq) is not None
+
+    def apply(self, logits: torch.Tensor, _sequences: list | None = None) -> dict[int, Exception]:
         """Wait for this step's masks; set forbidden tokens of the submitted rows to -inf in place.
 
         logits: (B, V') float with V' >= the matchers' vocab_size (ids beyond it are
         forbidden on constrained rows). The rows are those given to submit(); a second
         argument (the sequences again) is accepted and ignored. No-op when nothing was submitted.
+        Returns the rows whose mask could not be computed (row -> error); their logits are left
+        as they were, and the caller fails those rows alone.
         """
         future, self._future = self._future, None
         if future is None:
-            return
-        result = future.result()  # re-raises a worker failure here, on the engine thread
-        # Logits made under torch.inference_mode() may only be written to inside it.
-        with torch.inference_mode(logits.is_inference()):
-            self._write(logits, result)
+            return {}
+        result = future.result()  # a failure outside any one row re-raises here, on the engine thread
+        if result.rows:
+            # Logits made under torch.inference_mode() may only be written to inside it.
+            with torch.inference_mode(logits.is_inference()):
+                self._write(logits, result)
+        return result.failed
 
     @staticmethod
     def _write(logits: torch.Tensor, result: _Result) -> None:

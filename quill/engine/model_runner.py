@@ -3,31 +3,36 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from quill.config import ModelConfig
 from quill.engine.kv_cache import KVCache
-from quill.engine.sampler import Sampler, SamplingRow
-from quill.engine.scheduler import SchedulerOutput, ScheduledSeq
+from quill.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from quill.engine.faults import FaultPlan
+from quill.engine.scheduler import RowKind, SchedulerOutput, ScheduledSeq
 from quill.engine.sequence import Sequence
 from quill.kernels.attention import AttentionMetadata, PrefillSpan
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens for the scheduled sequences that reached the end of their known tokens."""
+    """Sampled tokens for the scheduled sequences that reached the end of their known tokens, and
+    the sequences whose own part of the step failed (the rest of the batch is unaffected)."""
 
     sampled: list[tuple[Sequence, int, dict | None]]  # (seq, token id, logprobs entry)
+    failed: list[tuple[Sequence, str, Exception]] = field(default_factory=list)  # (seq, phase, error)
 
 
 class ModelRunner:
     """Builds flat batches over the paged cache and runs the model and the sampler."""
 
-    def __init__(self, model, model_config: ModelConfig, kv_cache: KVCache, sampler: Sampler, device="cpu"):
+    def __init__(self, model, model_config: ModelConfig, kv_cache: KVCache, sampler: Sampler, device="cpu",
+                 faults: FaultPlan | None = None):
         self.model = model
+        self.faults = faults if faults is not None else FaultPlan()
         self.config = model_config
         self.kv_cache = kv_cache
         self.sampler = sampler
@@ -70,7 +75,7 @@ class ModelRunner:
             ids.extend(seq.token_ids_slice(start, end))
             pos.append(np.arange(start, end))
             slots.append(self._slots(seq, start, end))
-            if n == 1:
+            if item.kind is RowKind.DECODE:
                 decode_rows.append(row)
                 decode_ctx.append(self._slots(seq, 0, end))
             else:
@@ -82,7 +87,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(row - 1)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device), prefills=prefills,
-                                 gemv_rows=_leading_decodes(scheduled))
+                                 gemv_rows=SchedulerOutput(scheduled).num_leading_decodes)
         if decode_rows:
             self._decode_meta(meta, decode_rows, decode_ctx, np.concatenate(pos)[decode_rows])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -123,12 +128,16 @@ class ModelRunner:
         return ids, positions, new_slots, torch.from_numpy(padded), torch.from_numpy(lengths)
 
     def forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
-        """-> hidden (T, H) for every scheduled row, and the rows whose logits pick a token.
+        """-> hidden (T, H) for every scheduled row, and the rows whose logits pick a token
+        (one per scheduled item whose kind samples, in order).
 
         Running decodes lead the batch; with the fused kernel they run apart from the prefill
         rows, so their arithmetic never depends on what else shares the step."""
-        num_fused = _leading_decodes(scheduled) if self.fused is not None else 0
-        parts, sample_rows = [], list(range(num_fused))
+        if self.faults:
+            for item in scheduled:
+                self.faults.check("forward", item.seq.request_id)
+        num_fused = SchedulerOutput(scheduled).num_leading_decodes if self.fused is not None else 0
+        parts, sample_rows = [], list(range(num_fused))  # every decode row samples
         if num_fused:
             parts.append(self.fused.forward(*self._fused_inputs(scheduled[:num_fused])))
         if len(scheduled) > num_fused:
@@ -139,37 +148,73 @@ class ModelRunner:
         return hidden, sample_rows
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """Forward the batch, then sample each sampling row. A failure of the forward raises (the
+        engine decides what to retry); a failure in one row's sampling fails that row alone."""
         sampling = [item.seq for item in out.scheduled if item.samples]
         if self.guided is not None:
             self.guided.submit(sampling)  # masks for this step's rows, computed during the forward
         t0 = time.perf_counter()
-        hidden, sample_rows = self.forward(out.scheduled)  # (T, H)
+        try:
+            hidden, sample_rows = self.forward(out.scheduled)  # (T, H)
+        except BaseException:
+            if self.guided is not None:
+                self.guided.discard()
+            raise
         t1 = time.perf_counter()
         self.kernel_seconds["layers"] += t1 - t0
         if not sampling:
             return StepResult([])
+        if len(sample_rows) != len(sampling):  # the one row-kind definition makes this impossible
+            raise RuntimeError(f"{len(sample_rows)} sampling rows for {len(sampling)} sampling sequences")
         logits = self.model.compute_logits(hidden[sample_rows])  # (B, V)
         self.kernel_seconds["lm_head"] += time.perf_counter() - t1
+        failed: dict[int, tuple[str, Exception]] = {}
         if self.guided is not None:
-            self.guided.apply(logits, sampling)
+            for i, exc in self.guided.apply(logits, sampling).items():
+                failed[i] = ("grammar", exc)
         if self.keep_logits:
             self.last_logits = logits.clone()
-        rows = [
-            SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.generator_for(s))
-            for s in sampling
-        ]
-        result = self.sampler(logits, rows)
-        return StepResult([(s, t, lp) for s, t, lp in zip(sampling, result.token_ids, result.logprobs)])
+        rows: dict[int, SamplingRow] = {}
+        for i, s in enumerate(sampling):
+            if i in failed:
+                continue
+            try:
+                if self.faults:
+                    self.faults.check("sample", s.request_id)
+                rows[i] = SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.generator_for(s),
+                                      constrained=self.guided is not None and self.guided.has_matcher(s))
+            except Exception as exc:  # noqa: BLE001 - this row's failure alone
+                failed[i] = ("sample", exc)
+        keep = list(rows)
+        sampled = []
+        if keep:
+            result = self._sample(logits if len(keep) == len(sampling) else logits[keep], list(rows.values()))
+            for j, i in enumerate(keep):
+                if j in result.errors:
+                    failed[i] = ("sample", result.errors[j])
+                else:
+                    sampled.append((sampling[i], result.token_ids[j], result.logprobs[j]))
+        return StepResult(sampled, [(sampling[i], phase, exc) for i, (phase, exc) in sorted(failed.items())])
 
-
-def _leading_decodes(scheduled: list[ScheduledSeq]) -> int:
-    """Rows at the front of the batch that are one-token decodes (the scheduler puts them first)."""
-    count = 0
-    for item in scheduled:
-        if item.num_new_tokens != 1:
-            break
-        count += 1
-    return count
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]):
+        """The sampler over the batch; if it raises as a whole (a bug, not one row's problem),
+        each row is sampled alone so that the failure stays with the rows that cause it."""
+        try:
+            return self.sampler(logits, rows)
+        except Exception:  # noqa: BLE001
+            token_ids, logprobs, errors = [], [], {}
+            for j, row in enumerate(rows):
+                try:
+                    one = self.sampler(logits[j : j + 1], [row])
+                    token_ids.append(one.token_ids[0])
+                    logprobs.append(one.logprobs[0])
+                    if 0 in one.errors:
+                        errors[j] = one.errors[0]
+                except Exception as exc:  # noqa: BLE001
+                    token_ids.append(-1)
+                    logprobs.append(None)
+                    errors[j] = exc
+            return SamplerOutput(token_ids, logprobs, errors)
 
 
 def _pad_slots(ctx: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

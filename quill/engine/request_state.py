@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from quill.detokenizer import IncrementalDetokenizer
-from quill.engine.sequence import Sequence
+from quill.engine.sequence import PrefixView, Sequence
 from quill.engine.stop_checker import StreamingText
 from quill.outputs import CompletionOutput, RequestOutput
 
@@ -24,6 +24,7 @@ class RequestState:
         self.num_new_chars = [0] * len(seqs)
         self.matchers: dict[int, object] = {}
         self.aborted = False
+        self.error: str | None = None  # why the request failed inside the engine, if it did
 
     def attach_matchers(self, compiler) -> None:
         for seq in self.seqs:
@@ -60,18 +61,21 @@ class RequestState:
             text = self.text_of(seq)
             delta = self.streams[seq.index].delta(text, seq.is_finished)
             metrics = {}
+            # While running, ids and logprobs are views (O(1) per step); finished, they are copied once.
+            token_ids, logprobs = seq.output_token_ids, PrefixView(seq.output_logprobs)
             if seq.is_finished:
                 metrics = seq.metrics.as_dict()
                 metrics["itl_ms"] = [round(x * 1000.0, 3) for x in seq.metrics.itl]
+                token_ids, logprobs = list(token_ids), list(logprobs)
             outs.append(CompletionOutput(
                 index=seq.index,
                 text=text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=token_ids,
                 finish_reason=seq.status.finish_reason,
                 delta_text=delta,
                 stop_reason=seq.stop_reason,
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                logprobs=logprobs if seq.params.logprobs is not None else None,
                 metrics=metrics,
             ))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             num_cached_tokens=self.seqs[0].num_cached_tokens)
+                             num_cached_tokens=self.seqs[0].num_cached_tokens, error=self.error)

@@ -20,7 +20,7 @@ the global RNG.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -39,14 +39,20 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # per-request, seeded from params.seed; None = global RNG
     allowed_mask: torch.Tensor | None = None  # (V',) bool, V' <= V; True = allowed, ids >= V' disallowed
+    constrained: bool = False  # a grammar already masked this row's logits (the runner's MaskWorker)
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.allowed_mask is not None or self.constrained
 
 
 @dataclass
 class SamplerOutput:
     """One token per row, and per-row logprobs where the row asked for them."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # -1 for a row in errors
     logprobs: list[dict | None]  # {"token_id", "logprob", "top": [(id, logprob), ...]} or None
+    errors: dict[int, Exception] = field(default_factory=dict)  # row -> why that row alone got no token
 
 
 # --------------------------------------------------------------------------- filters
@@ -178,10 +184,11 @@ class Sampler:
             # Fast path: one argmax over the batch, no copy. max().indices is the first maximum, as
             # argmax is, but torch's max reduction is about 3x faster over a (16, 49152) batch.
             return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
-        x = self._process(logits, rows)  # (B, V)
-        token_ids = [0] * len(rows)
-        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
-        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        x, errors = self._process(logits, rows)  # (B, V)
+        token_ids = [-1] * len(rows)
+        ok = [i for i in range(len(rows)) if i not in errors]
+        greedy = [i for i in ok if rows[i].params.greedy]
+        sampled = [i for i in ok if not rows[i].params.greedy]
         if greedy:
             picks = (x if len(greedy) == len(rows) else x[greedy]).max(dim=-1).indices.tolist()
             for i, token in zip(greedy, picks):
@@ -190,7 +197,7 @@ class Sampler:
             picks = self._sample(x[sampled], [rows[i] for i in sampled])
             for i, token in zip(sampled, picks):
                 token_ids[i] = token
-        return SamplerOutput(token_ids, self._logprobs(x, rows, token_ids))
+        return SamplerOutput(token_ids, self._logprobs(x, rows, token_ids, ok), errors)
 
     def _is_plain_greedy(self, row: SamplingRow) -> bool:
         p = row.params
@@ -204,19 +211,32 @@ class Sampler:
 
     # ---- steps 1-3: masks and penalties (in place on a private copy)
 
-    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:  # (B, V)
+    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """-> (B, V) processed logits, and the rows that failed. A row fails alone: its own mask,
+        min_tokens block or penalties raised, or it leaves no token that can be drawn."""
         x = logits.to(torch.float32).clone()
         if x.shape[1] > self.vocab_size:
             x[:, self.vocab_size :] = _NEG_INF
+        errors: dict[int, Exception] = {}
         for i, row in enumerate(rows):
-            if row.allowed_mask is not None:
-                self._apply_allowed(x[i], row.allowed_mask, i)
-            blocked = self._min_tokens_block(row, x.shape[1])
-            if blocked:
-                self._block(x[i], blocked, constrained=row.allowed_mask is not None)
-            if has_penalties(row.params):
-                x[i] = apply_penalties(x[i], row.prompt_token_ids, row.output_token_ids, row.params)
-        return x
+            try:
+                if row.allowed_mask is not None:
+                    self._apply_allowed(x[i], row.allowed_mask, i)
+                blocked = self._min_tokens_block(row, x.shape[1])
+                if blocked:
+                    self._block(x[i], blocked, constrained=row.has_grammar)
+                if has_penalties(row.params):
+                    x[i] = apply_penalties(x[i], row.prompt_token_ids, row.output_token_ids, row.params)
+            except Exception as exc:  # noqa: BLE001 - this row's failure, reported for it alone
+                errors[i] = exc
+        # A row with a NaN, or with no finite logit left, cannot be drawn from (softmax would be NaN).
+        finite = torch.isfinite(x)
+        drawable = finite.any(dim=1) & ~torch.isnan(x).any(dim=1)
+        for i in (~drawable).nonzero().flatten().tolist():
+            if i not in errors:
+                why = "a logit is NaN" if bool(torch.isnan(x[i]).any()) else "every token is masked (-inf)"
+                errors[i] = ValueError(f"no token can be sampled: {why} after the grammar mask, min_tokens and penalties")
+        return x, errors
 
     @staticmethod
     def _apply_allowed(x_row: torch.Tensor, mask: torch.Tensor, row_index: int) -> None:
@@ -271,8 +291,8 @@ class Sampler:
     # ---- step 4: logprobs of the processed logits
 
     @staticmethod
-    def _logprobs(x: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[dict | None]:
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    def _logprobs(x: torch.Tensor, rows: list[SamplingRow], token_ids: list[int], ok: list[int]) -> list[dict | None]:
+        wanted = [i for i in ok if rows[i].params.logprobs is not None]
         result: list[dict | None] = [None] * len(rows)
         if not wanted:
             return result

@@ -7,6 +7,7 @@ scheduler returns plain data (SchedulerOutput) and never touches a tensor.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -16,6 +17,28 @@ from quill.engine.metrics import now
 from quill.engine.sequence import Sequence, SequenceStatus
 
 
+class RowKind(enum.Enum):
+    """What one sequence's share of a step is. Decided once, by the scheduler (row_kind); the
+    runner, the fused decode path, the sampler's row list and the step statistics read it."""
+
+    DECODE = "decode"  # exactly one token, the last known one: samples (the fused decode path's row)
+    PREFILL_FINAL = "prefill_final"  # several tokens ending at the last known one: samples
+    PREFILL_CHUNK = "prefill_chunk"  # tokens that stop short of the last known one: no sample
+
+    @property
+    def samples(self) -> bool:
+        return self is not RowKind.PREFILL_CHUNK
+
+
+def row_kind(seq: Sequence, start: int, num_new_tokens: int) -> RowKind:
+    """The one definition of a row's kind."""
+    if start + num_new_tokens < seq.num_tokens:
+        return RowKind.PREFILL_CHUNK
+    if num_new_tokens == 1:
+        return RowKind.DECODE
+    return RowKind.PREFILL_FINAL
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     """One sequence's share of a step: compute tokens [start, start + num_new_tokens)."""
@@ -23,15 +46,22 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_new_tokens: int
+    kind: RowKind
+
+    @classmethod
+    def plan(cls, seq: Sequence, start: int, num_new_tokens: int) -> "ScheduledSeq":
+        if not 0 < num_new_tokens <= seq.num_tokens - start:
+            raise ValueError(f"cannot schedule {num_new_tokens} tokens from {start} of {seq!r}")
+        return cls(seq, start, num_new_tokens, row_kind(seq, start, num_new_tokens))
 
     @property
     def samples(self) -> bool:
         """After this chunk every known token has K/V, so the last row's logits pick the next token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.kind.samples
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.seq.num_output_tokens > 0 and self.samples
+        return self.kind is RowKind.DECODE
 
 
 @dataclass
@@ -48,6 +78,21 @@ class SchedulerOutput:
     @property
     def num_decode_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_leading_decodes(self) -> int:
+        """Decode rows at the front of the batch (schedule() puts running decodes first)."""
+        count = 0
+        for item in self.scheduled:
+            if item.kind is not RowKind.DECODE:
+                break
+            count += 1
+        return count
+
+    def without(self, seqs) -> None:
+        """Drop these sequences' rows (they failed before the forward ran)."""
+        gone = {s.seq_id for s in seqs}
+        self.scheduled = [item for item in self.scheduled if item.seq.seq_id not in gone]
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -79,8 +124,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # Decodes first, then running prefill chunks, so streams in flight keep their pace.
-        ordered = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
+        # Decodes first, then running prefill chunks, so streams in flight keep their pace (and
+        # the decode rows lead the batch, where the runner's batch-invariant decode path takes them).
+        ordered = sorted(self.running, key=lambda s: row_kind(s, s.num_computed_tokens, 1) is not RowKind.DECODE)
         for seq in ordered:
             if budget == 0:
                 break
@@ -91,10 +137,14 @@ class Scheduler:
                 continue
             if not self._allocate_or_preempt(seq, num_new, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            out.scheduled.append(ScheduledSeq.plan(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
+        # Every decode row leads the batch, including one-token rows of sequences admitted just now
+        # (a prompt whose prefix cache hit leaves one token): the runner's batch-invariant decode
+        # path takes the leading decode rows, so a row's numbers never depend on its neighbours.
+        out.scheduled.sort(key=lambda item: item.kind is not RowKind.DECODE)
         return out
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
@@ -140,7 +190,7 @@ class Scheduler:
                 seq.metrics.first_scheduled_time = now()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_cached, num_new))
+            out.scheduled.append(ScheduledSeq.plan(seq, num_cached, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Sequence as SequenceABC
 
 from quill.engine.metrics import RequestMetrics
 from quill.sampling_params import SamplingParams
-
-_seq_counter = itertools.count()
 
 
 class SequenceStatus(enum.IntEnum):
@@ -20,6 +19,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # this request's own work failed (the others in its batch carried on)
 
     @property
     def is_finished(self) -> bool:
@@ -34,7 +34,47 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
+
+
+class PrefixView(SequenceABC):
+    """The first `length` items of a list that only grows: a snapshot without a copy.
+
+    Outputs carry these while a request runs, so building one per step costs O(1), not
+    O(tokens so far); list(view) copies when a caller needs to keep or mutate it."""
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list, length: int | None = None):
+        self._items = items
+        self._length = len(items) if length is None else length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step == 1:
+                return self._items[start:stop]
+            return [self._items[i] for i in range(start, stop, step)]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError("PrefixView index out of range")
+        return self._items[index]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._length)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, PrefixView)):
+            return len(other) == self._length and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 class Sequence:
@@ -47,8 +87,11 @@ class Sequence:
         params: SamplingParams,
         index: int = 0,
         arrival_time: float | None = None,
+        seq_id: int | None = None,
     ):
-        self.seq_id = next(_seq_counter)
+        # The engine numbers its sequences itself (no process-wide counter); a sequence built by
+        # hand (tests, consistency checks) is told apart by its object identity while it lives.
+        self.seq_id = id(self) if seq_id is None else seq_id
         self.request_id = request_id
         self.index = index  # choice index within the request
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
@@ -65,10 +108,10 @@ class Sequence:
         self.output_logprobs: list[dict] = []  # per output token, when params.logprobs is set
         self.num_preemptions = 0
 
-    # Read-only views keep stray appends out; append_token is the one writer.
+    # append_token is the one writer; readers get a view, so reading is O(1) per step.
     @property
-    def output_token_ids(self) -> tuple[int, ...]:
-        return tuple(self._output_token_ids)
+    def output_token_ids(self) -> PrefixView:
+        return PrefixView(self._output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,10 +130,12 @@ class Sequence:
         return list(self.prompt_token_ids) + self._output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) without building the whole list: O(end - start)."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return list(self.prompt_token_ids[start:end])
-        return self.all_token_ids[start:end]
+        head = list(self.prompt_token_ids[start:n]) if start < n else []
+        return head + self._output_token_ids[max(start - n, 0) : end - n]
 
     @property
     def last_token_id(self) -> int:

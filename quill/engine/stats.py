@@ -20,6 +20,10 @@ class EngineStats:
     prompt_tokens_cached: int = 0
     generation_tokens: int = 0
     finished: Counter = field(default_factory=Counter)
+    failures: Counter = field(default_factory=Counter)  # requests that failed alone, by phase
+
+    def record_failure(self, phase: str) -> None:
+        self.failures[phase] += 1
 
     def record_step(self, prefill_tokens: int, decode_tokens: int, seconds: float, preempted: int) -> None:
         self.num_steps += 1
@@ -49,4 +53,5 @@ class EngineStats:
             "prompt_tokens_cached": self.prompt_tokens_cached,
             "generation_tokens": self.generation_tokens,
             "num_requests_finished": dict(self.finished),
+            "num_requests_failed_by_phase": dict(self.failures),
         }
