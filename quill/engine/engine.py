@@ -21,6 +21,7 @@ from quill.engine.scheduler import Scheduler, SchedulerOutput
 from quill.engine.sequence import Sequence, SequenceStatus
 from quill.engine.stats import EngineStats
 from quill.engine.stop_checker import StopChecker
+from quill.kernels.options import resolve as resolve_kernel_options, use as use_kernel_options
 from quill.models.loader import LoadedModel, load_model
 from quill.outputs import RequestOutput
 from quill.sampling_params import SamplingParams
@@ -55,12 +56,16 @@ _PHASE_WORDS = {
 class LLMEngine:
     """Synchronous engine: add_request / abort / step. One engine serves LLM and the server."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, kernel_options=None):
+        """kernel_options (quill.kernels.options.KernelOptions): this engine's ISA, AMX and thread count;
+        default: config.threads and the environment (QUILL_NO_AVX512, QUILL_NO_AMX) read now."""
         self.config = config
         from quill.kernels.threads import configure_threads
 
-        self.threads = configure_threads(config.threads)
-        self.loaded = loaded or load_model(config.model, device=config.device, quantize=config.quantize)
+        self.threads = configure_threads(kernel_options.threads if kernel_options else config.threads)
+        self.kernel_options = kernel_options or resolve_kernel_options(self.threads)
+        with use_kernel_options(self.kernel_options):  # the weights' layout (AMX tiles or not) follows them
+            self.loaded = loaded or load_model(config.model, device=config.device, quantize=config.quantize)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
@@ -76,8 +81,9 @@ class LLMEngine:
         # ids past the tokenizer's vocabulary are padding rows of the embedding: never sample them
         sampler = Sampler(min(self.model_config.vocab_size, self.tokenizer.vocab_size), self.eos_token_ids)
         self.faults = FaultPlan()  # armed only by tests and --enable-fault-injection
-        self.runner = ModelRunner(self.loaded.model, self.model_config, self.kv_cache, sampler, config.device,
-                                  faults=self.faults)
+        with use_kernel_options(self.kernel_options):  # the fused decoder takes them
+            self.runner = ModelRunner(self.loaded.model, self.model_config, self.kv_cache, sampler, config.device,
+                                      faults=self.faults)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
@@ -210,7 +216,8 @@ class LLMEngine:
         if self.faults:
             self._check_rows(sched, touched)
         num_prefill, num_decode = sched.num_prefill_tokens, sched.num_decode_tokens  # before tokens are appended
-        result = self._execute(sched, touched)
+        with use_kernel_options(self.kernel_options):  # shared modules' kernel calls (prefill, LM head)
+            result = self._execute(sched, touched)
         self.scheduler.postprocess(sched)
         when = now()
         for seq, phase, exc in result.failed:

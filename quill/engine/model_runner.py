@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from quill.config import ModelConfig
+from quill.engine.block_tables import BlockTableArrays
 from quill.engine.kv_cache import KVCache
 from quill.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from quill.engine.faults import FaultPlan
@@ -39,6 +40,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
         self._generators: dict[int, torch.Generator] = {}
+        self._block_tables = BlockTableArrays()  # decode rows' tables, kept between steps (fused path)
         self.guided = None  # quill.engine.guided.MaskWorker, set by the engine when constraints are used
         self.last_logits: torch.Tensor | None = None  # (B, V) kept only when keep_logits is set (trace)
         self.keep_logits = False
@@ -117,15 +119,23 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
+        self._block_tables.release(seq.seq_id)
 
     def _fused_inputs(self, items: list[ScheduledSeq]):
-        """Decode rows for the fused path: ids, positions, new slots, padded context slots, lengths."""
-        ctx = [self._slots(item.seq, 0, item.start + 1) for item in items]
-        padded, lengths = _pad_slots(ctx)
-        ids = torch.tensor([item.seq.token_ids_slice(item.start, item.start + 1)[0] for item in items])
-        positions = torch.tensor([item.start for item in items], dtype=torch.long)
-        new_slots = torch.from_numpy(np.array([c[-1] for c in ctx], dtype=np.int64))
-        return ids, positions, new_slots, torch.from_numpy(padded), torch.from_numpy(lengths)
+        """Decode rows for the fused path -> FusedDecoder.forward's arguments: ids, positions, block
+        tables (B, max_blocks) int32, context lengths, block size, longest context. O(batch) Python
+        work: each sequence's table array is kept between steps and only its new blocks are copied;
+        the kernel finds every slot from the tables."""
+        tables = [self._block_tables.get(item.seq) for item in items]
+        block_tables = np.zeros((len(items), max(len(t) for t in tables)), dtype=np.int32)
+        for row, t in zip(block_tables, tables):
+            row[: len(t)] = t
+        positions = [item.start for item in items]
+        # a decode's one new token is the sequence's last (start == num_tokens - 1)
+        ids = [item.seq.last_token_id if item.start == item.seq.num_tokens - 1
+               else item.seq.token_ids_slice(item.start, item.start + 1)[0] for item in items]
+        return (torch.tensor(ids), torch.tensor(positions, dtype=torch.long), torch.from_numpy(block_tables),
+                torch.tensor([p + 1 for p in positions], dtype=torch.long), self.block_size, max(positions) + 1)
 
     def forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """-> hidden (T, H) for every scheduled row, and the rows whose logits pick a token
@@ -219,7 +229,8 @@ class ModelRunner:
 
 def _pad_slots(ctx: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Per-sequence context slots -> (B, Lmax) int64 padded with each row's last real slot (so a
-    padded read never touches garbage), and the (B,) int64 lengths."""
+    padded read never touches garbage), and the (B,) int64 lengths. The torch decode path's (the
+    fallback); the fused path takes block tables instead."""
     lengths = np.array([len(c) for c in ctx], dtype=np.int64)
     padded = np.empty((len(ctx), int(lengths.max())), dtype=np.int64)
     for i, c in enumerate(ctx):
