@@ -18,6 +18,9 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 # Tokens that close a chat turn: when the template writes one, generation must stop there too.
 _END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
+# An unpaired UTF-16 surrogate (JSON "\ud800" decodes to one): not Unicode text, no encoding takes it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -289,6 +292,10 @@ class Tokenizer:
         """Token ids of `text`; BOS/EOS added only where the model's tokenizer says so."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        surrogate = _LONE_SURROGATE.search(text)
+        if surrogate is not None:
+            raise ValueError(f"text contains a lone UTF-16 surrogate \\u{ord(surrogate.group()):04x} at character "
+                             f"{surrogate.start():,}; text must be valid Unicode")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -2,32 +2,74 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 INT64_MAX = 2**63 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Request(BaseModel):
     # Unknown fields are accepted and ignored (logged), as vLLM and llama-server do, so that
     # clients which send extra OpenAI fields keep working. NaN / Infinity are refused.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Strict, as OpenAI is: "max_tokens": true or "3", "n": 2.0 are errors, not 1, 3 and 2
+    # (an int is still a valid float: "temperature": 1 is fine).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        found = find_lone_surrogate(data)
+        if found is not None:
+            path, position, char = found
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{param}: contains a lone UTF-16 surrogate {char} at character {position}; text must be valid Unicode "
+                "(pair each \\ud800-\\udbff escape with a \\udc00-\\udfff one)",
+                {"param": path, "char": char, "position": position},
+            )
+        return data
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
+    """(field path, character index, escaped char) of the first unpaired surrogate in a JSON
+    value. json.loads lets "\\ud800" through; no tokenizer or UTF-8 encoder can take it."""
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        return None if match is None else (path or "body", match.start(), f"\\u{ord(match.group()):04x}")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = find_lone_surrogate(key, f"{path}.{key}".lstrip(".") if isinstance(key, str) else path)
+            found = found or find_lone_surrogate(item, f"{path}.{key}".lstrip("."))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}.{index}" if path else str(index))
+            if found is not None:
+                return found
+    return None
+
+
+_STRICT = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     type: str = "text"
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
