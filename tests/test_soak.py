@@ -168,6 +168,8 @@ def test_healthy_mock_passes_every_criterion(tmp_path, capsys):
     assert counts["faults_reported"] > 0 and counts["disconnected"] > 0
     assert set(counts["outcomes"]["faulty"]) <= {"fault_reported", "completed"}  # the grammar phase on a free request
     assert result["rss_growth"] == 0.0 and result["idle"]
+    assert sum(sum(t.values()) for t in counts["faulty_by_phase"].values()) == counts["sent"]["faulty"]
+    assert "faulty by phase: " in out
     for line in ("PASS  no 5xx", "PASS  no leaked KV blocks", "PASS  RSS growth < 5%", "result: PASS"):
         assert line in out
     # The reference run is the pool alone, and one streaming and one JSON reply were compared with it.

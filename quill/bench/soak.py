@@ -191,6 +191,10 @@ def print_report(result: dict, out: TextIO) -> None:
             continue
         cells = ", ".join(f"{n} {name}" for name in OUTCOMES if (n := counts["outcomes"][kind].get(name)))
         print(f"  {kind:<11}{sent[kind]:>6} sent: {cells}", file=out)
+    if counts["faulty_by_phase"]:
+        print("  faulty by phase: " + "; ".join(
+            f"{phase} " + ", ".join(f"{n} {name}" for name, n in sorted(tally.items()))
+            for phase, tally in counts["faulty_by_phase"].items()), file=out)
     if counts["outcomes"]["faulty"].get("refused"):
         print("  hint: faulty requests were refused; a quill server needs --enable-fault-injection", file=out)
     if counts["accepted_cases"]:

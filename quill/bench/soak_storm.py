@@ -356,4 +356,7 @@ def tally(outcomes: list[Outcome]) -> dict:
         "server_error_samples": samples("server_error"), "mismatch_samples": samples("mismatch"),
         "lost_samples": samples("lost"), "refused_samples": samples("refused"),
         "accepted_cases": sorted({o.case for o in outcomes if o.outcome == "accepted"}),
+        "faulty_by_phase": {phase: dict(Counter(o.outcome for o in outcomes
+                                                if o.kind == "faulty" and o.case.split("/")[0] == phase))
+                            for phase in sorted({o.case.split("/")[0] for o in outcomes if o.kind == "faulty"})},
     }
