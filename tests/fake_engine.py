@@ -11,7 +11,7 @@ import asyncio
 import math
 import random
 
-from quill.engine.errors import AdmissionError
+from quill.engine.errors import AdmissionError, RequestFailed
 from quill.engine.metrics import RequestMetrics, now
 from quill.outputs import CompletionOutput, RequestOutput
 from quill.sampling_params import ParamError
@@ -82,6 +82,7 @@ class FakeEngine:
         self.seen_prompts: list[tuple[int, ...]] = []
         self.abort_calls: list[str] = []
         self.received_params: dict = {}
+        self.received_faults: dict[str, str] = {}  # request id -> the fault phase it was armed with
         self._slots: asyncio.Semaphore | None = None
 
     def start(self) -> None:
@@ -104,7 +105,9 @@ class FakeEngine:
         if request_id in self.requests:
             raise AdmissionError(f"duplicate request id {request_id}")
 
-    async def generate(self, prompt_token_ids, params, request_id, prompt=None):
+    async def generate(self, prompt_token_ids, params, request_id, prompt=None, fault=None):
+        if fault is not None:
+            self.received_faults[request_id] = fault
         self._validate(prompt_token_ids, params, request_id)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_num_seqs)
@@ -172,9 +175,15 @@ class FakeEngine:
                 if all(c.done for c in choices):
                     return self._finish(req, choices, None)
                 req.queue.put_nowait(self._output(req, choices, finished=False))
-                if "FAIL_MIDSTREAM" in self.tokenizer.decode(req.prompt_ids) and len(choices[0].ids) >= 2:
+                prompt_text = self.tokenizer.decode(req.prompt_ids)
+                if "FAIL_MIDSTREAM" in prompt_text and len(choices[0].ids) >= 2:
                     req.queue.put_nowait(RuntimeError("simulated engine failure"))
                     return self._finish(req, choices, "abort", notify=False)
+                if "FAIL_REQUEST" in prompt_text and len(choices[0].ids) >= 2:
+                    # As the real engine: this request alone fails (finish_reason "error"), then raises.
+                    self._finish(req, choices, "error", deliver=False)
+                    req.queue.put_nowait(RequestFailed(f"request {req.id} failed at phase 'sample': simulated", phase="sample"))
+                    return None
                 if not await self._wait(req, asyncio.sleep(self.token_delay)):
                     return self._finish(req, choices, "abort")
         finally:
@@ -194,7 +203,7 @@ class FakeEngine:
             self._slots.release()  # acquired just as the abort came
         return False
 
-    def _finish(self, req, choices, reason, notify=True) -> None:
+    def _finish(self, req, choices, reason, notify=True, deliver=True) -> None:
         if reason == "abort":
             self.aborted[req.id] = req.phase
         for c in choices:
@@ -205,7 +214,8 @@ class FakeEngine:
         req.phase = "done"
         self.finished[req.id] = choices[0].finish_reason
         out = self._output(req, choices, finished=True)
-        req.queue.put_nowait(out)
+        if deliver:
+            req.queue.put_nowait(out)
         del self.requests[req.id]
         if notify:
             for hook in self.on_request_finished:

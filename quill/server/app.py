@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -9,10 +10,13 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.routing import Match, Mount
 
 from quill.server import handlers
-from quill.server.errors import APIError, bad_request, install_handlers
+from quill.server.errors import APIError, InternalErrorMiddleware, bad_request, install_handlers
 from quill.server.guard import GuardMiddleware
+from quill.server.limits import HTTPLimits
 from quill.server.metrics import CONTENT_TYPE, ServerMetrics
 from quill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -25,16 +29,19 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 class ServerState:
     """What the routes share: the engine (None while loading), names, limits, drain state."""
 
-    def __init__(self, engine, served_model_name, api_key, max_body_bytes, retry_after):
+    def __init__(self, engine, served_model_name, api_key, max_body_bytes, retry_after, limits: HTTPLimits):
         self.engine = None
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.retry_after = retry_after
+        self.limits = limits
         self.draining = False
         self.load_error: str | None = None
-        self.in_flight = 0
         self.started_at = time.time()
+        self.warned_fields: set[str] = set()  # unknown request fields already logged once
+        self._groups: set = set()  # the RequestGroups of requests in flight
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics = ServerMetrics(self.engine_stats)
         if engine is not None:
             self.attach(engine)
@@ -69,11 +76,33 @@ class ServerState:
     def engine_stats(self) -> dict | None:
         return None if self.engine is None else self.engine.stats()
 
-    def begin(self) -> None:
-        self.in_flight += 1
+    @property
+    def in_flight(self) -> int:
+        return len(self._groups)
 
-    def end(self) -> None:
-        self.in_flight -= 1
+    def begin(self, group) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._groups.add(group)
+
+    def end(self, group) -> None:
+        self._groups.discard(group)
+
+    def abort_in_flight(self, message: str) -> int:
+        """End every request in flight with a 503 `shutting_down` error (an error event, then
+        [DONE], for a stream); closing each group aborts its engine requests. Call on the loop."""
+        for group in list(self._groups):
+            group.fail(APIError(503, message, code="shutting_down"))
+        return len(self._groups)
+
+    def abort_in_flight_threadsafe(self, message: str) -> None:
+        if self._loop is not None and self._groups:
+            self._loop.call_soon_threadsafe(self.abort_in_flight, message)
+
+    def log_extra_fields(self, body) -> None:
+        for name in body.model_extra or {}:
+            if name not in self.warned_fields:
+                self.warned_fields.add(name)
+                logger.warning("ignoring unknown request field %r", name)
 
     def param_names(self, body) -> dict:
         """SamplingParams field -> the request's own field name, for engine-side errors."""
@@ -97,20 +126,45 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     retry_after: float = 1.0,
     static_dir: Path | None = STATIC_DIR,
+    limits: HTTPLimits | None = None,
 ) -> FastAPI:
     """The server app. `engine` may be None and attached later (attach_engine) so that
     /health can answer 503 while the model loads."""
     from quill import __version__
 
     app = FastAPI(title="quill", version=__version__, description="OpenAI-compatible API for the quill inference engine")
-    state = ServerState(engine, served_model_name, api_key, max_body_bytes, retry_after)
+    state = ServerState(engine, served_model_name, api_key, max_body_bytes, retry_after, limits or HTTPLimits())
     app.state.quill = state
-    install_handlers(app, on_error=lambda err: state.metrics.count_error(err.status, err.code))
+
+    def count_error(err: APIError) -> None:
+        state.metrics.count_error(err.status, err.code)
+
+    install_handlers(app, on_error=count_error)
     app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(InternalErrorMiddleware, on_error=count_error)  # added last: outermost
     _add_routes(app, state)
     if static_dir is not None and (Path(static_dir) / "index.html").is_file():
-        app.mount("/", StaticFiles(directory=static_dir, html=True), name="static")
+        api_routes = list(app.router.routes)
+        app.router.routes.append(_PlaygroundMount(api_routes, StaticFiles(directory=static_dir, html=True)))
     return app
+
+
+class _PlaygroundMount(Mount):
+    """The playground's files at "/", behind every API route.
+
+    A Mount at "/" matches every path, so a GET on a POST-only route would reach the static
+    files (a 404) instead of the route's 405; this one steps aside for any path an API route
+    knows, whatever the method.
+    """
+
+    def __init__(self, api_routes: list, app):
+        super().__init__("/", app=app, name="static")
+        self._api_routes = api_routes
+
+    def matches(self, scope):
+        if scope["type"] == "http" and any(route.matches(scope)[0] != Match.NONE for route in self._api_routes):
+            return Match.NONE, {}
+        return super().matches(scope)
 
 
 def attach_engine(app: FastAPI, engine) -> None:
@@ -120,12 +174,12 @@ def attach_engine(app: FastAPI, engine) -> None:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", tags=["openai"])
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        _log_extra_fields(body)
+        state.log_extra_fields(body)
         return await handlers.chat_completions(request, body, state)
 
     @app.post("/v1/completions", tags=["openai"])
     async def completions(request: Request, body: CompletionRequest):
-        _log_extra_fields(body)
+        state.log_extra_fields(body)
         return await handlers.completions(request, body, state)
 
     @app.get("/v1/models", tags=["openai"])
@@ -134,6 +188,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models/{model_id:path}", tags=["openai"])
     async def get_model(model_id: str):
+        if not model_id:  # "/v1/models/": the list, as "/v1/models" (a card with id "" helps nobody)
+            return await list_models()
         handlers.check_model(state, model_id)
         return _model_card(state, model_id)
 
@@ -168,9 +224,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = handlers.encode_chat(engine, handlers.template_messages(body.messages))
+            ids = await run_in_threadpool(handlers.encode_chat, engine, handlers.template_messages(body.messages))
         else:
-            ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            ids = handlers.encode_text(engine, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if body.return_token_strs:
             result["token_strs"] = [engine.tokenizer.id_to_piece(t) for t in ids]
@@ -201,13 +257,3 @@ def _model_card(state: ServerState, name: str) -> dict:
         "root": getattr(engine, "model_name", name),
         "max_model_len": getattr(engine, "max_model_len", None),
     }
-
-
-_warned_fields: set[str] = set()
-
-
-def _log_extra_fields(body) -> None:
-    for name in body.model_extra or {}:
-        if name not in _warned_fields:
-            _warned_fields.add(name)
-            logger.warning("ignoring unknown request field %r", name)

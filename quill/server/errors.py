@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,7 +21,9 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
-    500: "server_error",
+    408: "invalid_request_error",
+    431: "invalid_request_error",
+    500: "internal_error",
     503: "service_unavailable_error",
 }
 
@@ -36,6 +39,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -43,6 +47,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.headers = dict(headers or {})
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -50,7 +55,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(err: APIError) -> JSONResponse:
-    headers = {}
+    headers = dict(err.headers)
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, int(round(err.retry_after))))
     if err.status == 401:
@@ -77,6 +82,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
         where = f" at character {loc[0]}" if loc and loc[0].isdigit() else ""
         return bad_request(f"request body is not valid JSON: {detail}{where}", code="invalid_json")
+    if first.get("type") == "lone_surrogate":
+        return bad_request(first["msg"], param=(first.get("ctx") or {}).get("param"))
     # Union members add their type name to the location (e.g. content.str); keep the field path.
     param = ".".join(p for p in loc if not _is_type_tag(p)) or None
     if param == "prompt":
@@ -120,13 +127,72 @@ def install_handlers(app: FastAPI, on_error=None) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        parse_error = _body_parse_error(exc)
+        if parse_error is not None:
+            return respond(parse_error)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = f"no route for {request.method} {request.url.path}"
-        return respond(APIError(exc.status_code, message, code=code))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405 and "Allow" in headers:
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        return respond(APIError(exc.status_code, message, code=code, headers=headers))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        logger.exception("internal error on %s %s", request.method, request.url.path)
-        return respond(APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error"))
+
+def _body_parse_error(exc: StarletteHTTPException) -> APIError | None:
+    """FastAPI answers a body json.loads could not read (bad UTF-8, nesting past the recursion
+    limit) with a bare 400; name what was wrong, with the same code as any other invalid JSON."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        return bad_request(f"request body is not valid JSON: {invalid_utf8_message(cause)}", code="invalid_json")
+    if isinstance(cause, RecursionError):
+        limit = sys.getrecursionlimit()
+        return bad_request(f"request body is not valid JSON: arrays/objects nested deeper than the parser's limit (about {limit:,} levels)",
+                           code="invalid_json")
+    return bad_request(f"request body is not valid JSON: {type(cause).__name__}: {cause}", code="invalid_json")
+
+
+def invalid_utf8_message(exc: UnicodeDecodeError) -> str:
+    bad = exc.object[exc.start:exc.end].hex(" ")
+    return f"it is not valid UTF-8 (byte {bad} at offset {exc.start:,}: {exc.reason})"
+
+
+class InternalErrorMiddleware:
+    """Outermost guard: an exception no handler took becomes an OpenAI-shaped 500.
+
+    Starlette's own last-resort handler answers and then re-raises, so uvicorn drops the
+    keep-alive connection without saying so and the client's next request on it fails. Here
+    the exception ends with the answer, which carries `Connection: close`: after a failure
+    nobody knows what state the request body is in, so the client is told to reconnect.
+    A failure after the response started can only cut the body: the connection is closed.
+    """
+
+    def __init__(self, app, on_error=None):
+        self.app = app
+        self.on_error = on_error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                return None  # uvicorn closes a connection whose response did not complete
+            err = APIError(500, f"internal server error: {type(exc).__name__}: {_short(str(exc), 200)}", code="internal_error",
+                           headers={"Connection": "close"})
+            if self.on_error is not None:
+                self.on_error(err)
+            await error_response(err)(scope, receive, send)

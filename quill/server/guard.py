@@ -1,17 +1,20 @@
-"""ASGI middleware in front of the routes: API key (401) and request body size (413)."""
+"""ASGI middleware in front of the routes: header limits (431), API key (401), request body
+size (413) and the time the body may take to arrive (408)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from quill.server.errors import APIError, error_response
+from quill.server.limits import head_size
 
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 
 class GuardMiddleware:
-    """Checks the key before anything else and buffers the body up to the limit.
+    """Checks the headers and the key before anything else and buffers the body up to the limit.
 
     The body is read here, in full, so that a body over the limit is refused even without a
     Content-Length header; the app then gets the buffered body followed by the client's own
@@ -26,6 +29,9 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         state = self.state
+        too_big = _header_problem(scope, state.limits)
+        if too_big is not None:
+            return await self._refuse(scope, receive, send, too_big, body_pending=False)
         if state.api_key and scope["path"].startswith(_PROTECTED_PREFIXES) and not _authorized(scope, state.api_key):
             return await self._refuse(scope, receive, send, APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"))
         if scope["method"] not in _BODY_METHODS:
@@ -37,30 +43,52 @@ class GuardMiddleware:
                 return await self._refuse(scope, receive, send, APIError(400, f"Content-Length header is not a number: {declared!r}", code="invalid_request"))
             if int(declared) > limit:
                 return await self._refuse(scope, receive, send, _too_large(f"request body is {int(declared):,} bytes, over", limit))
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body = message.get("body", b"")
-            size += len(body)
-            if size > limit:
-                return await self._refuse(scope, receive, send, _too_large(f"request body is at least {size:,} bytes, over", limit), body_pending=message.get("more_body", False))
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        return await self.app(_as_json(scope), _replay(b"".join(chunks), receive), send)
+        timeout = state.limits.body_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                body, size, pending = await _read_body(receive, limit)
+        except TimeoutError:
+            message = f"the request body did not arrive within {timeout:g} s (--body-timeout)"
+            err = APIError(408, message, code="request_timeout", headers={"Connection": "close"})
+            return await self._refuse(scope, receive, send, err, body_pending=False)
+        if body is None and size > limit:
+            return await self._refuse(scope, receive, send, _too_large(f"request body is at least {size:,} bytes, over", limit), body_pending=pending)
+        if body is None:  # the client left
+            return None
+        return await self.app(_as_json(scope), _replay(body, receive), send)
 
     async def _refuse(self, scope, receive, send, err: APIError, body_pending: bool = True):
         self.state.metrics.count_error(err.status, err.code)
         if body_pending:
             # Read (and drop) what the client is still sending: closing a socket with unread
             # data resets it, and the client would see a connection error instead of the answer.
-            await _discard_body(receive, _DISCARD_LIMIT)
+            # A client too slow for --body-timeout gets the answer and a closed connection.
+            try:
+                async with asyncio.timeout(self.state.limits.body_timeout):
+                    await _discard_body(receive, _DISCARD_LIMIT)
+            except TimeoutError:
+                err.headers["Connection"] = "close"
         await error_response(err)(scope, receive, send)
 
 
 _DISCARD_LIMIT = 64 * 1024 * 1024
+
+
+async def _read_body(receive, limit: int) -> tuple[bytes | None, int, bool]:
+    """(body, bytes seen, more pending); body is None when the client left or it passed `limit`."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None, size, False
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        more = message.get("more_body", False)
+        if size > limit:
+            return None, size, more
+        chunks.append(chunk)
+        if not more:
+            return b"".join(chunks), size, False
 
 
 async def _discard_body(receive, limit: int) -> None:
@@ -70,6 +98,23 @@ async def _discard_body(receive, limit: int) -> None:
         if message["type"] == "http.disconnect" or not message.get("more_body", False):
             return
         seen += len(message.get("body", b""))
+
+
+def _header_problem(scope, limits) -> APIError | None:
+    """A 431 (with Connection: close) for too many headers or too many header bytes.
+
+    h11 caps a head that arrives slowly (max_incomplete_event_size); one that arrives in a
+    single read is parsed whole, so the total is checked again here."""
+    count = len(scope.get("headers", ()))
+    close = {"Connection": "close"}
+    if count > limits.max_headers:
+        return APIError(431, f"the request has {count:,} headers; the limit is {limits.max_headers:,} (--max-headers)",
+                        code="request_header_fields_too_large", headers=close)
+    size = head_size(scope)
+    if size > limits.max_header_bytes:
+        return APIError(431, f"the request line and headers are {size:,} bytes; the limit is {limits.max_header_bytes:,} (--max-header-bytes)",
+                        code="request_header_fields_too_large", headers=close)
+    return None
 
 
 def _too_large(what: str, limit: int) -> APIError:

@@ -8,6 +8,7 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from quill.server.accumulator import Accumulator
 from quill.server.errors import APIError, bad_request, error_body
@@ -18,6 +19,7 @@ from quill.server.streams import DISCONNECTED, Job, RequestGroup, SSEResponse, u
 logger = logging.getLogger("quill.server")
 
 MAX_CHOICES = 128  # prompts x n per HTTP request
+FAULT_HEADER = "x-quill-fault"  # PHASE: make this request fail there (needs --enable-fault-injection)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -53,10 +55,22 @@ def template_messages(messages) -> list[dict]:
 
 
 def encode_chat(engine, messages: list[dict]) -> list[int]:
+    """Render and encode (blocking: call it off the event loop, the render may take a while)."""
+    from quill.chat_template import ChatTemplateLimitError
+
     try:
         return list(engine.tokenizer.encode_chat(messages))
+    except ChatTemplateLimitError as exc:  # the template ran too long or wrote too much
+        raise bad_request(f"messages: {exc}", "messages") from exc
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's
         raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
+
+
+def encode_text(engine, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    try:
+        return list(engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except ValueError as exc:  # e.g. a lone surrogate, had it got past the request model
+        raise bad_request(f"{param}: {exc}", param.split("[", 1)[0]) from exc
 
 
 def completion_prompts(engine, prompt) -> list[tuple[list[int], str]]:
@@ -71,7 +85,7 @@ def completion_prompts(engine, prompt) -> list[tuple[list[int], str]]:
     result = []
     for i, item in enumerate(prompt):
         if isinstance(item, str):
-            ids = list(tokenizer.encode(item))
+            ids = encode_text(engine, item, f"prompt[{i}]")
             text = item
         else:
             bad = next((t for t in item if not 0 <= t < vocab), None)
@@ -111,10 +125,13 @@ def resolve_max_tokens(req, prompt_len: int, max_model_len: int, default: int | 
 
 def engine_error(exc: Exception, names: dict, retry_after: float) -> APIError:
     """Map what engine.generate raised at admission to an HTTP error."""
+    from quill.engine.errors import RequestFailed
     from quill.sampling_params import ParamError
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RequestFailed):  # this request failed inside the engine; the others carry on
+        return APIError(500, str(exc), code=exc.code)
     if isinstance(exc, ParamError):
         param = names.get(exc.param, exc.param)
         return bad_request(f"{param}: {str(exc).split(': ', 1)[-1]}", param)
@@ -131,7 +148,7 @@ def engine_error(exc: Exception, names: dict, retry_after: float) -> APIError:
 async def chat_completions(request: Request, body: ChatCompletionRequest, state) -> Response:
     engine = state.require_engine()
     check_model(state, body.model)
-    ids = encode_chat(engine, template_messages(body.messages))
+    ids = await run_in_threadpool(encode_chat, engine, template_messages(body.messages))
     max_tokens = resolve_max_tokens(body, len(ids), engine.max_model_len, None, "messages")
     params = to_sampling_params(body, max_tokens, engine.tokenizer.vocab_size)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -170,8 +187,8 @@ async def _generate(request, state, engine, body, kind, response_id, jobs, param
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
     )
     names = state.param_names(body)
-    group = RequestGroup(engine, jobs, params)
-    state.begin()
+    group = RequestGroup(engine, jobs, params, fault=request.headers.get(FAULT_HEADER))
+    state.begin(group)
     closed = False
 
     async def close() -> None:
@@ -181,7 +198,7 @@ async def _generate(request, state, engine, body, kind, response_id, jobs, param
             try:
                 await group.aclose()
             finally:
-                state.end()
+                state.end(group)
 
     handed_off = False  # once the SSE response owns the group, it closes it
     try:

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the request failed inside the engine
 
 # Seconds. CPU-first: a long prompt on a small machine can take tens of seconds to prefill.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -75,7 +75,7 @@ class ServerMetrics:
             self.prompt_tokens.labels("cached").inc(cached)
             if m.get("queue_ms") is not None:  # an abort while queued computed nothing
                 self.prompt_tokens.labels("computed").inc(max((m.get("prompt_tokens") or 0) - cached, 0))
-        if reason == "abort":
+        if reason in ("abort", "error"):
             return  # a cut-short request's latencies would skew the distributions
         self._observe_ms(self.queue, m.get("queue_ms"))
         self._observe_ms(self.ttft, m.get("ttft_ms"))

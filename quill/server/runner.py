@@ -11,6 +11,7 @@ import time
 import uvicorn
 
 from quill.server.app import create_app
+from quill.server.limits import HTTPLimits, h11_protocol
 
 logger = logging.getLogger("quill.server")
 
@@ -39,7 +40,24 @@ class DrainingServer(uvicorn.Server):
             time.sleep(0.05)
         if self.state.in_flight > 0:
             logger.warning("drain timeout: aborting %d request(s) still in flight", self.state.in_flight)
+            message = (f"the server is shutting down and this request did not finish within "
+                       f"--drain-timeout {self.drain_timeout:g} s")
+            # Each request ends with an error (an error event and [DONE] for a stream) and its
+            # engine requests are aborted, so uvicorn never has to cancel a response half-sent.
+            self.state.abort_in_flight_threadsafe(message)
+            settle = time.monotonic() + _ABORT_SETTLE_S
+            while self._requests_open() and time.monotonic() < settle:
+                time.sleep(0.02)
         self.should_exit = True  # uvicorn's main loop polls this every 0.1 s
+
+    def _requests_open(self) -> bool:
+        """HTTP requests still answering, or engine requests not yet dropped: the engine must have
+        taken the aborts before the event loop closes, or it would deliver to a closed loop."""
+        engine = getattr(self, "engine", None)
+        return self.state.in_flight > 0 or (engine is not None and getattr(engine, "num_in_flight", 0) > 0)
+
+
+_ABORT_SETTLE_S = 5.0  # after the drain deadline: how long the aborted requests get to send their error
 
 
 def _load_engine(state, config, server: DrainingServer) -> None:
@@ -76,13 +94,26 @@ def _load_engine(state, config, server: DrainingServer) -> None:
         print(f"quill: serving {state.served_model_name!r} at {url}/v1 (health {url}/health, metrics {url}/metrics)", flush=True)
 
 
+def http_limits(args) -> HTTPLimits:
+    return HTTPLimits(
+        timeout_keep_alive=args.timeout_keep_alive,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        limit_concurrency=args.limit_concurrency or None,
+    )
+
+
 def _ms(value: float | None) -> str:
     return "?" if value is None else f"{value:,.0f} ms"
 
 
 def serve(args, config) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the model or the port failed."""
-    app = create_app(None, served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_size)
+    limits = http_limits(args)
+    app = create_app(None, served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_size,
+                     limits=limits)
     state = app.state.quill
     uv_config = uvicorn.Config(
         app,
@@ -91,7 +122,10 @@ def serve(args, config) -> int:
         log_level=args.log_level,
         access_log=True,
         timeout_graceful_shutdown=2,
-        timeout_keep_alive=5,
+        http=h11_protocol(limits),  # h11 always (not httptools when installed): the limits are enforced there
+        timeout_keep_alive=limits.timeout_keep_alive,
+        limit_concurrency=limits.limit_concurrency,
+        h11_max_incomplete_event_size=limits.max_header_bytes,
     )
     server = DrainingServer(uv_config, state, args.drain_timeout)
     server.engine = None

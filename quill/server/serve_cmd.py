@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ from quill.cli_args import add_engine_args, engine_config_from_args, parse_size,
 
 logger = logging.getLogger("quill.server")
 
+
 def _nonnegative_float(text: str) -> float:
     try:
         value = float(text)
@@ -18,6 +20,13 @@ def _nonnegative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _nonnegative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
     return value
 
 
@@ -32,6 +41,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=_nonnegative_float, default=30.0, metavar="SECONDS", help="on SIGTERM, how long in-flight requests may finish (default 30)")
     g.add_argument("--max-body-size", type=size_arg, default=4 * 1024 * 1024, metavar="SIZE", help="largest request body (default 4MiB)")
     g.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    c = p.add_argument_group("connections (slow or hostile clients)")
+    c.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0, metavar="SECONDS",
+                   help="close a kept-alive connection idle this long between requests (default 5)")
+    c.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="the request line and headers must arrive within this, from the connection's opening or the "
+                        "request's first byte; 408 and close after it, a silent new connection is just closed (default 10)")
+    c.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+                   help="the whole request body must arrive within this once the headers are in; 408 after (default 30)")
+    c.add_argument("--max-header-bytes", type=size_arg, default=64 * 1024, metavar="SIZE",
+                   help="largest request line + headers; 431 beyond (default 64KiB)")
+    c.add_argument("--max-headers", type=positive_int, default=100, metavar="N", help="most header lines in a request; 431 beyond (default 100)")
+    c.add_argument("--limit-concurrency", type=positive_int, default=1000, metavar="N",
+                   help="open connections + requests before new requests get 503 (default 1000)")
+    t = p.add_argument_group("testing")
+    t.add_argument("--enable-fault-injection", action="store_true",
+                   help="for soak/fault tests only: honour the 'X-Quill-Fault: PHASE' request header, which makes "
+                        "that request fail at that engine phase (off by default)")
 
 
 DESCRIPTION = (
@@ -50,7 +76,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def engine_config(args):
     """The EngineConfig these flags describe."""
-    return engine_config_from_args(args, max_waiting=args.max_waiting)
+    config = engine_config_from_args(args, max_waiting=args.max_waiting)
+    if getattr(args, "enable_fault_injection", False):
+        config = dataclasses.replace(config, fault_injection=True)
+    return config
 
 
 def process_age_ms() -> float | None:

@@ -33,10 +33,11 @@ class RequestGroup:
     decoding for nobody even if an engine iterator ignores cancellation.
     """
 
-    def __init__(self, engine, jobs: list[Job], params):
+    def __init__(self, engine, jobs: list[Job], params, fault: str | None = None):
         self.engine = engine
         self.jobs = jobs
         self.params = params
+        self.fault = fault  # a quill.engine.faults phase to arm on every request (fault tests only)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._open = set(range(len(jobs)))
@@ -50,7 +51,8 @@ class RequestGroup:
     async def _pump(self, index: int, job: Job) -> None:
         stream = None
         try:
-            stream = self.engine.generate(job.prompt_token_ids, self.params, job.request_id, prompt=job.prompt)
+            extra = {} if self.fault is None else {"fault": self.fault}
+            stream = self.engine.generate(job.prompt_token_ids, self.params, job.request_id, prompt=job.prompt, **extra)
             async for output in stream:
                 if output.finished:
                     self._finished.add(index)
@@ -63,6 +65,10 @@ class RequestGroup:
         finally:
             if stream is not None:
                 await stream.aclose()
+
+    def fail(self, exc: Exception) -> None:
+        """Make the consumer's next (or current) next() raise `exc`, e.g. at the drain deadline."""
+        self._queue.put_nowait((-1, None, exc))
 
     async def next(self):
         """The next (prompt index, RequestOutput); None once every request has ended."""
