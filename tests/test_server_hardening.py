@@ -354,6 +354,7 @@ def test_request_failed_is_a_500_or_an_error_event_and_counted():
         assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "request_failed"
         metrics = client.get(live.url + "/metrics").text
         assert metric_value(metrics, "quill_requests_total", {"finish_reason": "error"}) == 2
+        assert metric_value(metrics, "quill_request_errors_total", {"code": "request_failed", "status": "500"}) == 2
 
 
 def test_fault_header_reaches_the_engine():

@@ -237,11 +237,11 @@ async def _stream(acc: Accumulator, group: RequestGroup, event, names: dict, sta
     except Exception as exc:  # mid-stream: headers are gone, so the error travels as an event
         try:
             err = engine_error(exc, names, state.retry_after)
-            body = error_body(err.status, err.message, err.param, err.code)
         except Exception:
             logger.exception("engine failed mid-stream")
-            body = error_body(500, f"internal server error: {type(exc).__name__}", None, "internal_error")
-        yield sse(body)
+            err = APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+        state.metrics.count_error(err.status, err.code)
+        yield sse(error_body(err.status, err.message, err.param, err.code))
         yield sse("[DONE]")
         return
     closing = acc.closing_chunk()
