@@ -6,7 +6,7 @@ import statistics
 import time
 
 from quill.config import CacheConfig, EngineConfig, SchedulerConfig
-from quill.engine.engine import LLMEngine
+from quill.engine.engine import LLMEngine, freeze_heap
 from quill.sampling_params import SamplingParams
 
 _TEXT = ("The history of computing is a story of people, machines and ideas. Engineers built "
@@ -25,6 +25,7 @@ class QuillRunner:
             scheduler=SchedulerConfig(max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max(max_batch, 16)),
         )
         self.engine = LLMEngine(cfg)
+        freeze_heap()  # the bench owns its process; as quill serve does
         self.threads = self.engine.threads
         self.model_name = self.engine.model_name
         self.model_path = self.engine.loaded.path

@@ -19,9 +19,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from quill.engine.engine import freeze_heap
     from quill.llm import LLM
 
     llm = LLM.from_engine_config(engine_config_from_args(args))
+    freeze_heap()  # the command owns its process
     params = sampling_params_from_args(args)
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)

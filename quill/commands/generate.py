@@ -32,9 +32,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         print("error: give a PROMPT or --prompts-file (exactly one)", file=sys.stderr)
         return 2
+    from quill.engine.engine import freeze_heap
     from quill.llm import LLM
 
     llm = LLM.from_engine_config(engine_config_from_args(args))
+    freeze_heap()  # the command owns its process
     if args.prompts_file:
         return _run_file(llm, args)
     params = sampling_params_from_args(args)

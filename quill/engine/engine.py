@@ -377,5 +377,16 @@ class LLMEngine:
         }
 
 
+def freeze_heap() -> None:
+    """For the owner of a whole process (quill serve, the CLI commands, the bench runner), once
+    its engine is built: collect, then move everything alive (weights, tokenizer, caches) out of
+    the cyclic collector's generations so decode steps never rescan it. gc.freeze() is process-
+    wide, so an engine never calls it itself: a library user's process is theirs to tune."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def _fmt(x, scale: float = 1.0) -> str:
     return "-" if x is None else f"{x * scale:.1f}"

@@ -70,7 +70,10 @@ def _load_engine(state, config, server: DrainingServer) -> None:
         from quill.engine.async_engine import AsyncEngine
 
         import_ms = before_import + (time.perf_counter() - t0) * 1000.0
+        from quill.engine.engine import freeze_heap
+
         engine = AsyncEngine.from_config(config)
+        freeze_heap()  # this process is the server's
         engine.start()
     except BaseException as exc:  # noqa: BLE001 - any failure must stop the server, not hang it
         logger.exception("the model failed to load")
