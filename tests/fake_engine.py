@@ -168,6 +168,10 @@ class FakeEngine:
             if not await self._wait(req, asyncio.sleep(delay)):
                 return self._finish(req, choices, "abort")
             req.phase = "decode"
+            if "FAIL_EARLY" in self.tokenizer.decode(req.prompt_ids):  # fails before its first output
+                self._finish(req, choices, "error", deliver=False)
+                req.queue.put_nowait(RequestFailed(f"request {req.id} failed at phase 'prefill': simulated", phase="prefill"))
+                return None
             while True:
                 for c in choices:
                     if not c.done:

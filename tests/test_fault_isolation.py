@@ -142,3 +142,28 @@ def test_async_engine_raises_request_failed_for_that_request_only(make_llm):
     finally:
         engine.shutdown(drain_timeout=0)
     assert_no_leak(llm.engine)
+
+
+def test_validate_is_pure_so_the_server_may_call_it_off_the_engine_thread(make_llm):
+    """Issue 13, point 11: validate() used to build the MaskWorker and swap runner.guided from the
+    event loop. Now it only reads (and compiles through the thread-safe compiler); the engine thread
+    attaches the mask worker when the request is added."""
+    import threading
+
+    llm = make_llm()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, choice=["yes", "no"])
+    worker = threading.Thread(target=engine.validate, args=([1, 2, 3], params))
+    worker.start()
+    worker.join()
+    assert engine.runner.guided is None and not engine.requests and not engine.scheduler.waiting
+    assert llm.generate("yes or no?", params)[0].outputs[0].text in ("yes", "no")
+    assert engine.runner.guided is not None
+
+
+def test_two_engines_number_their_sequences_independently(make_llm):
+    a, b = make_llm(), make_llm()
+    for llm in (a, b):
+        llm.generate("Hi", SamplingParams(max_tokens=1))
+    first = [next(llm.engine._seq_ids) for llm in (a, b)]
+    assert first[0] == first[1]  # each engine counts its own (no process-wide counter)

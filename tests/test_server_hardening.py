@@ -352,9 +352,14 @@ def test_request_failed_is_a_500_or_an_error_event_and_counted():
         with client.stream("POST", live.url + COMP, json={**body, "stream": True}) as response:
             lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "request_failed"
+        # a stream whose request fails before its first output is still a 200 with the error event
+        with client.stream("POST", live.url + COMP, json={**body, "prompt": "FAIL_EARLY", "stream": True}) as response:
+            assert response.status_code == 200
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "request_failed"
         metrics = client.get(live.url + "/metrics").text
-        assert metric_value(metrics, "quill_requests_total", {"finish_reason": "error"}) == 2
-        assert metric_value(metrics, "quill_request_errors_total", {"code": "request_failed", "status": "500"}) == 2
+        assert metric_value(metrics, "quill_requests_total", {"finish_reason": "error"}) == 3
+        assert metric_value(metrics, "quill_request_errors_total", {"code": "request_failed", "status": "500"}) == 3
 
 
 def test_fault_header_reaches_the_engine():

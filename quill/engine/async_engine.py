@@ -175,13 +175,22 @@ class AsyncEngine:
         loop, q = target
         if out.finished:
             self._streams.pop(out.request_id, None)
-        loop.call_soon_threadsafe(q.put_nowait, out)
+        _post(loop, q, out)
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         target = self._streams.pop(request_id, None)
         if target is not None:
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, error)
+            _post(loop, q, error)
+
+
+def _post(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+    """Hand an item to a consumer's event loop; a loop already closed (its server shut down, its
+    client gone) has nobody left to read it, and that must not take the engine thread down."""
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed"
+        logger.debug("dropped an output for a closed event loop")
 
 
 def process_rss_bytes() -> int | None:

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from quill.engine.errors import RequestFailed
 from quill.server.accumulator import Accumulator
 from quill.server.errors import APIError, bad_request, error_body
 from quill.server.protocol import ChatCompletionRequest, CompletionRequest, requested_max_tokens, to_sampling_params
@@ -203,7 +204,15 @@ async def _generate(request, state, engine, body, kind, response_id, jobs, param
     handed_off = False  # once the SSE response owns the group, it closes it
     try:
         group.start()
-        first = await until_disconnect(request.receive, group.next())
+        try:
+            first = await until_disconnect(request.receive, group.next())
+        except RequestFailed as exc:
+            if not body.stream:
+                raise
+            # Admitted, then failed inside the engine before its first output: a stream still
+            # answers 200 and carries the failure as an error event, as it would a moment later.
+            handed_off = True
+            return SSEResponse(_stream(acc, group, None, names, state, failed=exc), on_close=close)
         if first is DISCONNECTED:
             return Response(status_code=499)
         if body.stream:
@@ -226,10 +235,12 @@ async def _collect(acc: Accumulator, group: RequestGroup, event) -> None:
         event = await group.next()
 
 
-async def _stream(acc: Accumulator, group: RequestGroup, event, names: dict, state):
+async def _stream(acc: Accumulator, group: RequestGroup, event, names: dict, state, failed: Exception | None = None):
     for chunk in acc.opening_chunks():
         yield sse(chunk)
     try:
+        if failed is not None:
+            raise failed
         while event is not None:
             for chunk in acc.chunks(*event):
                 yield sse(chunk)
