@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
+
+import quill
 
 
 def free_port() -> int:
@@ -102,3 +109,54 @@ def wait_until(predicate, timeout: float = 2.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+class ServeProcess:
+    """`python -m quill.cli serve` on a free port, importing the same quill as the tests (so a test
+    run from another checkout drives that checkout's server); records /health while it starts.
+    The test that starts one stops it, by its PID (stop())."""
+
+    def __init__(self, log_dir: Path, *flags: str, model_name: str = "quill-test"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"serve-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        root = Path(quill.__file__).parents[1]
+        cmd = [sys.executable, "-m", "quill.cli", "serve", "--port", str(self.port), "--served-model-name", model_name, *flags]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root)}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=root)
+        self.health_seen: list[int] = []
+        self.headers: dict = {}  # sent to /v1/stats (behind --api-key when set)
+
+    def wait_ready(self, timeout: float = 300.0) -> "ServeProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"quill serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                status = httpx.get(self.url + "/health", timeout=2).status_code
+                self.health_seen.append(status)
+                if status == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"quill serve not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

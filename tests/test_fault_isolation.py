@@ -52,13 +52,15 @@ def reference(llm):
 
 
 def same_output(got, want) -> bool:
-    """Bit-identical tokens and text; logprobs equal to fp32 noise (prefill rows are batched with
-    whatever else is prefilling, and a torch GEMM's rounding may depend on the batch's height)."""
+    """Bit-identical tokens and text; logprobs within 2e-3 and the same top ids. Decode rows are
+    batch-invariant, but prefill rows are batched with whatever else prefills in that step, and a
+    torch GEMM's rounding depends on the batch's height; through the fp16 KV cache that moves later
+    logprobs by up to ~5e-4 (measured), never the tokens."""
     if (got.token_ids, got.text, got.finish_reason) != (want.token_ids, want.text, want.finish_reason):
         return False
     if want.logprobs is None:
         return got.logprobs is None
-    return all(abs(a["logprob"] - b["logprob"]) < 1e-4 and [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+    return all(abs(a["logprob"] - b["logprob"]) < 2e-3 and [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
                for a, b in zip(got.logprobs, want.logprobs, strict=True))
 
 
@@ -77,18 +79,17 @@ def test_a_request_failing_at_any_phase_fails_alone(llm, reference, phase):
     assert_no_leak(engine)
 
 
-def test_forward_failure_of_an_older_request_fails_that_batch_only(llm):
-    """The retry drops the newest request; when the fault is elsewhere the retry fails too and the
-    batch's requests are failed, but a request still waiting for a later step is untouched."""
+def test_forward_failure_of_an_older_request_fails_that_request_only(llm, reference):
+    """The retry without the newest request fails too when the fault is elsewhere; the retries
+    then narrow down (by halves) to the request whose rows fail on their own. Only it fails; the
+    others keep this step's results and finish exactly as without it."""
     engine = llm.engine
-    items = [FAULTY, HEALTHY[0]]
-    engine.add_request("old", engine.tokenizer.encode(items[0][0]), items[0][1], fault="forward")
-    engine.add_request("new", engine.tokenizer.encode(items[1][0]), items[1][1])
-    outs = {o.request_id: o for o in engine.step() if o.finished}
-    assert set(outs) == {"old", "new"} and all(o.outputs[0].finish_reason == "error" for o in outs.values())
-    assert "forward pass" in outs["old"].error
-    later = run(engine, [HEALTHY[0]])["r0"]
-    assert later.outputs[0].finish_reason in ("stop", "length")
+    items = [FAULTY] + HEALTHY  # the faulty one is the oldest
+    done = run(engine, items, faults={0: "forward"})
+    bad = done.pop("r0")
+    assert bad.outputs[0].finish_reason == "error" and "forward pass" in bad.error
+    for i, (rid, out) in enumerate(sorted(done.items())):
+        assert same_output(out.outputs[0], reference[f"r{i}"]), rid
     assert_no_leak(engine)
 
 

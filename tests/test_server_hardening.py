@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,11 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-import quill
 from fake_engine import FakeEngine, FakeTokenizer
 from quill.chat_template import ChatTemplateError, render_chat_template
 from quill.server.app import create_app
-from server_utils import ThreadServer, free_port, metric_value
+from server_utils import ServeProcess, ThreadServer, metric_value
 
 MODEL = "quill-test"
 HELLO = [{"role": "user", "content": "Name a colour."}]
@@ -31,46 +27,10 @@ CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 # ---- a real `quill serve` -----------------------------------------------------------------------
 
 
-class Serve:
-    """`python -m quill.cli serve` on a free port, importing the same quill as this test."""
-
-    def __init__(self, log_dir: Path, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"serve-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        root = Path(quill.__file__).parents[1]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root)}
-        cmd = [sys.executable, "-m", "quill.cli", "serve", "--port", str(self.port), "--served-model-name", MODEL,
-               "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--log-level", "info", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=root)
-
-    def wait_ready(self, timeout: float = 300.0) -> "Serve":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"quill serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"quill serve not ready after {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+def Serve(log_dir: Path, *flags: str) -> ServeProcess:
+    """A real `quill serve` with this file's defaults (a short context and a small KV pool)."""
+    return ServeProcess(log_dir, "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--log-level", "info", *flags,
+                        model_name=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from server_utils import free_port, metric_value, post_then_close, read_sse_then_close, wait_until
+from server_utils import ServeProcess, metric_value, post_then_close, read_sse_then_close, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -31,53 +29,6 @@ def abort_deadline(server) -> float:
     steps = max(engine.get("num_steps") or 0, 1)
     mean_step = ((engine.get("step_prefill_seconds") or 0.0) + (engine.get("step_decode_seconds") or 0.0)) / steps
     return max(ABORT_DEADLINE_S, 3.0 * mean_step)
-
-
-class ServeProcess:
-    """`python -m quill.cli serve` on a free port; records /health while it starts."""
-
-    def __init__(self, log_dir: Path, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_dir / f"serve-{self.port}.log", "w")
-        cmd = [sys.executable, "-m", "quill.cli", "serve", "--port", str(self.port), "--served-model-name", MODEL, *flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[1])
-        self.health_seen: list[int] = []
-        self.headers: dict = {}  # sent to /v1/stats (behind --api-key when set)
-
-    def wait_ready(self, timeout: float = 300.0) -> "ServeProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"quill serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                status = httpx.get(self.url + "/health", timeout=2).status_code
-                self.health_seen.append(status)
-                if status == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"quill serve not ready after {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()
-
-    def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=10).text
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")

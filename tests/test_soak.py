@@ -7,14 +7,8 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -24,7 +18,7 @@ from starlette.routing import Route
 from quill.bench import soak
 from quill.bench.soak_cases import BAD_CASES, FAULT_HEADER, bad_body, healthy_body, healthy_pool
 from quill.bench.soak_storm import Reply, SoakConfig, classify
-from server_utils import ThreadServer, free_port
+from server_utils import ServeProcess, ThreadServer, free_port
 
 MOCK_MODEL = "mock"
 HEALTHY_KEYS = {"model", "messages", "max_tokens", "temperature", "stream", "top_p", "seed", "stream_options",
@@ -264,26 +258,13 @@ REAL_STORM = ("--duration", "60", "--concurrency", "8", "--disconnect", "0.3", "
 
 @pytest.mark.slow
 def test_real_server_survives_a_60s_storm(tmp_path, capsys):
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
     # A small KV pool and few sequences per step: requests queue, get preempted and recomputed.
-    cmd = [sys.executable, "-m", "quill.cli", "serve", "--port", str(port), "--served-model-name", "quill-soak",
-           "--enable-fault-injection", "--kv-cache-memory", "24MiB", "--max-num-seqs", "4",
-           "--max-num-batched-tokens", "64", "--max-model-len", "1024", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            cwd=Path(__file__).parents[1])
-    url = f"http://127.0.0.1:{port}"
+    server = ServeProcess(tmp_path, "--enable-fault-injection", "--kv-cache-memory", "24MiB", "--max-num-seqs", "4",
+                          "--max-num-batched-tokens", "64", "--max-model-len", "1024", "--log-level", "warning",
+                          model_name="quill-soak")
+    url = server.url
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "quill serve did not become ready"
-            time.sleep(0.2)
+        server.wait_ready()
         out_json = tmp_path / "soak.json"
         code = run_cli("--base-url", url, *REAL_STORM, "--json", str(out_json))
         report = capsys.readouterr().out
@@ -299,11 +280,4 @@ def test_real_server_survives_a_60s_storm(tmp_path, capsys):
         assert counts["faults_reported"] > 0, counts["outcomes"]["faulty"]
         assert code == 0, report
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        server.stop()
