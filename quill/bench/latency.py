@@ -28,6 +28,10 @@ def register(subparsers) -> None:
     p.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)), help="decode contexts (default 128,1024)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
                    help="quill's KV cache element type (default auto: fp16 for a GGUF file, as llama.cpp keeps it)")
+    p.add_argument("--skip-prefill", action="store_true",
+                   help="decode figures only, over a KV cache whose context positions are marked computed without "
+                        "running the prefill (their K/V are whatever the pool holds): a step reads exactly the bytes a "
+                        "real context would, without minutes of prefill at long contexts; not with --vs")
     p.add_argument("--json", default=None, help="write all figures to this file")
     p.set_defaults(func=run)
 
@@ -65,8 +69,13 @@ def run(args: argparse.Namespace) -> int:
     from quill.bench.quill_runner import QuillRunner
 
     prefill, batches, contexts = _ints(args.prefill), _ints(args.batches), _ints(args.contexts)
+    if args.skip_prefill:
+        if args.vs:
+            print("quill bench latency: --skip-prefill measures quill alone; drop --vs", file=sys.stderr)
+            return 2
+        prefill = []
     quill = QuillRunner(args.model, args.threads, max(prefill + [c + args.decode_steps + 8 for c in contexts]),
-                        max(batches), args.kv_cache_dtype)
+                        max(batches), args.kv_cache_dtype, skip_prefill=args.skip_prefill)
     threads = quill.threads
     print(f"quill bench latency: {quill.model_name}, {threads} threads, median of {args.repeats}", file=sys.stderr)
     bandwidth = measure_bandwidth(args.repeats)
@@ -134,6 +143,18 @@ def _print_report(r: dict, prefill, batches, contexts) -> None:
             top = max(batches)
             print(f"batch {top} / batch 1 aggregate at ctx {ctx}: "
                   f"{q['decode_tps'][f'{top}x{ctx}'] / q['decode_tps'][f'1x{ctx}']:.2f}x")
+    steps = q.get("step_breakdown", {})
+    if len(contexts) > 1:
+        short, long = min(contexts), max(contexts)
+        for b in batches:
+            a, z = steps.get(f"{b}x{short}"), steps.get(f"{b}x{long}")
+            if not (a and z):
+                continue
+            extra = b * (long - short) * r["kv_bytes_per_token"]
+            print(f"batch {b}, ctx {long} vs {short}: step +{z['step_ms'] - a['step_ms']:.2f} ms = layers "
+                  f"{z['layers_ms'] - a['layers_ms']:+.2f} + LM head {z['lm_head_ms'] - a['lm_head_ms']:+.2f} + outside the "
+                  f"model {z['overhead_ms'] - a['overhead_ms']:+.2f}; the extra K/V read ({extra / 2**20:.0f} MiB) takes "
+                  f"{extra / bw / 1e6:.2f} ms at the measured bandwidth")
 
 
 def _row(label, value, r, kind, key, has_ref, gbs=None, roof=None) -> None:

@@ -16,7 +16,9 @@ _TEXT = ("The history of computing is a story of people, machines and ideas. Eng
 class QuillRunner:
     """An engine with room for `max_batch` sequences of `max_len` tokens, prefix cache off."""
 
-    def __init__(self, model: str | None, threads: int | None, max_len: int, max_batch: int, kv_cache_dtype: str = "auto"):
+    def __init__(self, model: str | None, threads: int | None, max_len: int, max_batch: int, kv_cache_dtype: str = "auto",
+                 skip_prefill: bool = False):
+        self.skip_prefill = skip_prefill
         blocks = max_batch * (-(-(max_len + 64) // 16)) + 8
         cfg = EngineConfig(
             model=model, threads=threads, max_model_len=None,
@@ -74,6 +76,22 @@ class QuillRunner:
             self.engine.abort(rid)
         self.engine.step()
 
+    def _mark_prompts_computed(self) -> None:
+        """--skip-prefill: admit every waiting sequence with all but its last prompt token marked
+        computed, over freshly allocated blocks (prefix cache off, so each row has its own) whose
+        K/V are whatever the pool holds. The first step is then a decode row at the full context,
+        and each step reads the same bytes as after a real prefill; the text is meaningless."""
+        from quill.engine.sequence import SequenceStatus
+
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        while scheduler.waiting:
+            seq = scheduler.waiting.popleft()
+            if not blocks.allocate(seq, seq.num_tokens - 1):
+                raise RuntimeError(f"the bench's KV pool cannot hold {seq.num_tokens} tokens x the batch")
+            seq.num_computed_tokens = seq.num_tokens - 1
+            seq.status = SequenceStatus.RUNNING
+            scheduler.running.append(seq)
+
     def prefill_tps(self, tokens: list[int], repeats: int) -> float:
         times = []
         for _ in range(repeats + 1):  # the first run warms buffers
@@ -90,6 +108,8 @@ class QuillRunner:
         for _ in range(repeats):
             for _ in range(batch):
                 self._add(tokens, steps + 4)
+            if self.skip_prefill:
+                self._mark_prompts_computed()
             while any(s.num_output_tokens == 0 for s in self.engine.scheduler.running) or self.engine.scheduler.waiting:
                 self.engine.step()
             ks = self.engine.runner.kernel_seconds

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from quill.config import EngineConfig, resolve_kv_dtype
 from quill.engine.block_manager import BlockManager
 from quill.engine.errors import AdmissionError
-from quill.engine.faults import FAULT_PHASES, FaultPlan
+from quill.engine.faults import FAULT_PHASES, FaultPlan, InjectedFault
 from quill.engine.kv_cache import KV_CACHE_DTYPES, KVCache, num_blocks_for
 from quill.engine.metrics import now
 from quill.engine.model_runner import ModelRunner, StepResult
@@ -278,7 +278,7 @@ class LLMEngine:
             logger.warning("forward pass failed for a batch of %d request(s) (%s: %s); retrying without the newest, %s",
                            len(by_age), type(exc).__name__, exc, by_age[-1])
             if len(by_age) == 1:
-                logger.error("forward pass failed for request %s alone", by_age[0], exc_info=exc)
+                logger.error("forward pass failed for request %s alone", by_age[0], exc_info=_traceback(exc))
                 self._drop(sched, [(item.seq, "forward", exc) for item in sched.scheduled], touched)
                 return StepResult([])
         result = StepResult([])
@@ -298,7 +298,7 @@ class LLMEngine:
             return self.runner.execute(sub)
         except Exception as exc:  # noqa: BLE001
             if len(request_ids) == 1:
-                logger.error("forward pass fails for request %s on its own", request_ids[0], exc_info=exc)
+                logger.error("forward pass fails for request %s on its own", request_ids[0], exc_info=_traceback(exc))
                 self._drop(sched, [(item.seq, "forward", exc) for item in sub.scheduled], touched)
                 return StepResult([])
         half = len(request_ids) // 2
@@ -361,7 +361,7 @@ class LLMEngine:
         if state.error is None:
             state.error = f"request failed while {_PHASE_WORDS.get(phase, phase)}: {type(exc).__name__}: {exc}"
             logger.error("request %s failed at phase %s: %s: %s", seq.request_id, phase, type(exc).__name__, exc,
-                         exc_info=exc if not type(exc).__name__ == "InjectedFault" else None)
+                         exc_info=_traceback(exc))
             self.stats.record_failure(phase)
         for s in state.seqs:
             if not s.is_finished:
@@ -405,6 +405,11 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             **self.stats.as_dict(),
         }
+
+
+def _traceback(exc: BaseException) -> BaseException | None:
+    """A real failure's traceback belongs in the log; an injected one's says nothing new."""
+    return None if isinstance(exc, InjectedFault) else exc
 
 
 def freeze_heap() -> None:
