@@ -168,3 +168,14 @@ def test_two_engines_number_their_sequences_independently(make_llm):
         llm.generate("Hi", SamplingParams(max_tokens=1))
     first = [next(llm.engine._seq_ids) for llm in (a, b)]
     assert first[0] == first[1]  # each engine counts its own (no process-wide counter)
+
+
+def test_budget_equal_to_max_num_seqs_runs_end_to_end(make_llm):
+    """Issue 13's defect 2 through the real engine: SchedulerConfig(2, 2) puts a decode row beside a
+    1-token non-final prefill chunk (on b7ef9fa: "logits must be (B=1, V), got shape (2, 49152)")."""
+    llm = make_llm(max_num_batched_tokens=2, max_num_seqs=2, enable_prefix_caching=False)
+    prompts = ["Hello there", "The capital of France is a city called"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    alone = [llm.generate(p, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert_no_leak(llm.engine)
