@@ -59,6 +59,38 @@ def assert_error(response: httpx.Response, status: int, code: str | None, param:
     return error
 
 
+# defect 1 ---------------------------------------------------------------------------------------
+
+
+def test_min_tokens_with_guided_choice_beside_two_streams_harms_nobody(server):
+    """The issue's exact request (min_tokens 8 with guided_choice) while two long streams run: on
+    b7ef9fa all three streams ended with "internal server error: RuntimeError"."""
+
+    def stream(body: dict, out: list) -> None:
+        with httpx.Client(timeout=300) as client, client.stream("POST", server.url + CHAT, json={**body, "stream": True}) as r:
+            out.append((r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")]))
+
+    long = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}], "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True}
+    results: list[list] = [[], [], []]
+    threads = [threading.Thread(target=stream, args=(long, results[0])), threading.Thread(target=stream, args=(long, results[1]))]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    stream({"messages": [{"role": "user", "content": "yes or no?"}], "max_tokens": 20, "min_tokens": 8,
+            "guided_choice": ["yes", "no"]}, results[2])
+    for t in threads:
+        t.join(timeout=300)
+    for (status, lines), which in zip((r[0] for r in results), ("long 1", "long 2", "choice")):
+        assert status == 200 and lines[-1] == "[DONE]", which
+        chunks = [json.loads(line) for line in lines[:-1]]
+        assert not any("error" in c for c in chunks), (which, chunks[-1])
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+        assert finish == (["stop"] if which == "choice" else ["length"]), (which, finish)
+    answer = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, results[2][0][1][:-1]) if c.get("choices"))
+    assert answer in ("yes", "no")
+
+
 # defect 3 ---------------------------------------------------------------------------------------
 
 SURROGATE_CASES = [
