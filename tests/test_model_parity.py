@@ -213,3 +213,47 @@ def test_hf_folder_quantize_int8_close_to_fp32(tmp_path):
     ids = fp32.tokenizer.encode("int8 weights should barely move the logits of this prompt")
     a, b = position_logits(fp32.engine.loaded, ids), position_logits(int8.engine.loaded, ids)
     assert ((b - a).norm() / a.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
+def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path, fused):
+    """A Llama 3.1-style GGUF (llama3 RoPE scaling written as rope_freqs.weight, as llama.cpp's converter
+    does) loads through the GGUF loader and agrees with transformers: prefill and 8 decode steps."""
+    import collections
+
+    from quill.models.gguf import GGUFModelFile
+    from quill.models.loader import PackedGGUFWeights
+    from tiny_models import write_llama_gguf
+
+    hf = make_hf_model("llama3-tied")
+    write_llama_gguf(hf, tmp_path / "llama31.gguf")
+    gf = GGUFModelFile(tmp_path / "llama31.gguf")
+    cfg = gf.model_config()
+    assert cfg.rope_scaling_dict["rope_type"] == "freq_factors" and len(cfg.rope_scaling_dict["factors"]) == cfg.head_dim // 2
+    model = LlamaForCausalLM(cfg, PackedGGUFWeights(gf, "cpu", collections.Counter()))
+    _, runner, bm = build_quill(hf, model=model)
+    if not fused:
+        runner.fused = None
+    prompt = torch.randint(0, cfg.vocab_size, (45,), generator=torch.Generator().manual_seed(2)).tolist()  # past 32
+    seq = Sequence("r", prompt, SamplingParams())
+    logits = run_chunk(runner, bm, seq, 0, len(prompt))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (logits - ref).abs().max().item() < 1e-4
+    tokens = list(prompt)
+    for _ in range(8):
+        nxt = int(logits[-1].argmax())
+        seq.append_token(nxt, 0.0)
+        tokens.append(nxt)
+        logits = run_chunk(runner, bm, seq, len(tokens) - 1, 1)
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0, -1:]
+        assert (logits - ref).abs().max().item() < 1e-4
+    # without the factors the same file is plain RoPE, and transformers disagrees: the factors matter
+    write_llama_gguf(hf, tmp_path / "plain.gguf", rope_freqs=False)
+    plain = LlamaForCausalLM(GGUFModelFile(tmp_path / "plain.gguf").model_config(),
+                             PackedGGUFWeights(GGUFModelFile(tmp_path / "plain.gguf"), "cpu", collections.Counter()))
+    _, runner2, bm2 = build_quill(hf, model=plain)
+    wrong = run_chunk(runner2, bm2, Sequence("p", prompt, SamplingParams()), 0, len(prompt))
+    with torch.no_grad():
+        assert (wrong - hf(torch.tensor([prompt])).logits[0]).abs().max().item() > 1e-3

@@ -36,3 +36,93 @@ def make_hf_model(kind: str):
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.float().eval()
+
+
+# llama.cpp's tensor names for the Hugging Face ones (the converter's mapping, for the tests).
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+_GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def llama_cpp_permute(weights, num_heads: int):
+    """What llama.cpp's converter does to llama q/k rows (written from its description)."""
+    rows = weights.shape[0]
+    return weights.reshape(num_heads, 2, rows // num_heads // 2, -1).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _rope_parameters(config) -> dict:
+    """RoPE settings with rope_theta, whichever transformers version made the config."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def llama3_rope_freqs(config) -> "np.ndarray":
+    """The rope_freqs.weight llama.cpp's converter writes for "llama3" scaling: per rotary frequency
+    1 for wavelengths under original/high_freq_factor, `factor` above original/low_freq_factor, and
+    1 / ((1 - smooth) / factor + smooth) in between (convert_hf_to_gguf.py, LlamaModel)."""
+    import math
+
+    import numpy as np
+
+    rope = _rope_parameters(config)
+    head_dim = config.hidden_size // config.num_attention_heads
+    base = rope["rope_theta"]
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / head_dim))
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True) -> None:
+    """A llama-architecture GGUF of a tiny transformers Llama, written as llama.cpp's converter would:
+    its tensor names and metadata keys, q/k rows permuted, F32 tensors, rope_freqs for llama3 scaling."""
+    import gguf
+    import numpy as np
+
+    cfg = hf_model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(_rope_parameters(cfg)["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    writer.add_eos_token_id(cfg.vocab_size - 1)
+    if rope_freqs and _rope_parameters(cfg).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.detach().float().numpy()
+        if name in _GGUF_GLOBAL:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            writer.add_tensor(_GGUF_GLOBAL[name], array)
+            continue
+        _, _, layer, *rest = name.split(".")
+        module, suffix = ".".join(rest[:-1]), rest[-1]
+        if module == "self_attn.q_proj":
+            array = llama_cpp_permute(array, heads)
+        elif module == "self_attn.k_proj":
+            array = llama_cpp_permute(array, kv_heads)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}", np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

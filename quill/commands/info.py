@@ -39,9 +39,17 @@ def describe(loaded) -> dict:
         "heads / kv heads": f"{c.num_heads} / {c.num_kv_heads} (head_dim {c.head_dim})",
         "vocab size": c.vocab_size,
         "context length": c.max_position_embeddings,
-        "rope": f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling_dict}" if c.rope_scaling else ""),
+        "rope": f"theta {c.rope_theta:g}" + (f", scaling {_scaling(c.rope_scaling_dict)}" if c.rope_scaling else ""),
         "tied embeddings": c.tie_word_embeddings,
         "KV bytes per token": f"{kv:,} B = {kv / 1024:.1f} KiB fp32 "
                               f"(2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x {c.head_dim} x 4 B); "
                               f"{c.kv_bytes_per_token(2) / 1024:.1f} KiB fp16",
     }
+
+
+def _scaling(scaling: dict) -> str:
+    """RoPE scaling in one line: per-frequency factors are summarized, not listed."""
+    if scaling.get("rope_type") == "freq_factors":
+        f = scaling["factors"]
+        return f"per-frequency divisors from rope_freqs ({len(f)}, {min(f):g}..{max(f):g})"
+    return str(scaling)

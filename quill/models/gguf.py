@@ -37,6 +37,9 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors that describe the model rather than hold weights: read into ModelConfig, never loaded as layers.
+ROPE_FREQS = "rope_freqs.weight"  # per-dimension RoPE frequency divisors (llama.cpp's Llama 3.1+ converter)
+_CONFIG_TENSORS = {ROPE_FREQS}
 
 
 class GGUFTensor(NamedTuple):
@@ -135,7 +138,7 @@ class GGUFModelFile:
 
     @cached_property
     def _tensors_by_hf_name(self) -> dict[str, Any]:
-        return {hf_tensor_name(t.name): t for t in self._reader.tensors}
+        return {hf_tensor_name(t.name): t for t in self._reader.tensors if t.name not in _CONFIG_TENSORS}
 
     @property
     def tensor_names(self) -> list[str]:
@@ -165,11 +168,16 @@ class GGUFModelFile:
         return int(vocab)
 
     def _rope_scaling(self) -> tuple[tuple[str, object], ...] | None:
-        if "rope_freqs.weight" in {t.name for t in self._reader.tensors}:
-            raise UnsupportedModelError(
-                "GGUF carries per-dimension RoPE factors (rope_freqs.weight, Llama 3.1-style scaling), "
-                "which quill does not apply"
-            )
+        freqs = next((t for t in self._reader.tensors if t.name == ROPE_FREQS), None)
+        if freqs is not None:
+            # llama.cpp's converter writes Llama 3.1+ "llama3" scaling as one divisor per rotary
+            # frequency (1 for short wavelengths, the factor for long ones, smooth in between), and
+            # llama.cpp divides each frequency by it: the same inv_freq as transformers' llama3 rule.
+            if GGMLQuantizationType(freqs.tensor_type) != GGMLQuantizationType.F32:
+                raise UnsupportedModelError(f"{ROPE_FREQS} is {GGMLQuantizationType(freqs.tensor_type).name}; "
+                                            "quill reads it as F32, as llama.cpp writes it")
+            factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1))
+            return (("factors", factors), ("rope_type", "freq_factors"))
         scaling_type = self._arch_key("rope.scaling.type", None)
         if scaling_type in (None, "none"):
             return None
@@ -245,10 +253,12 @@ class GGUFModelFile:
         return GGUFTensor(hf_tensor_name(reader_tensor.name), qtype, shape, raw)
 
     def iter_tensors(self) -> Iterator[GGUFTensor]:
-        """Every tensor in file order, renamed and (llama q/k) row-reordered to Hugging Face layout."""
+        """Every weight tensor in file order, renamed and (llama q/k) row-reordered to Hugging Face
+        layout (tensors read into the config, such as rope_freqs, are left out)."""
         self._check_architecture()
         for reader_tensor in self._reader.tensors:
-            yield self._load(reader_tensor)
+            if reader_tensor.name not in _CONFIG_TENSORS:
+                yield self._load(reader_tensor)
 
     def tensor(self, hf_name: str) -> GGUFTensor:
         """One tensor by Hugging Face name."""

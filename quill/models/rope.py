@@ -23,13 +23,27 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """The rotary frequencies under a model's scaling: "llama3" from its parameters (transformers'
+    config), or "freq_factors", one divisor per frequency (GGUF's rope_freqs tensor)."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        return llama3_inv_freq(inv_freq, scaling)
+    if kind == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors; this head_dim needs {inv_freq.numel()}")
+        return inv_freq / factors
+    raise ValueError(f"unsupported RoPE scaling {kind!r}; quill applies llama3 and per-frequency factors")
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device="cpu"):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if scaling:
-            inv_freq = llama3_inv_freq(inv_freq, scaling)
+            inv_freq = scaled_inv_freq(inv_freq, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (P, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
