@@ -11,7 +11,9 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+ARCHITECTURES_WITH_QK_NORM = {"qwen3"}  # RMSNorm over each q and k head, before RoPE
 
 
 _MODEL_TYPES = {v: v for v in SUPPORTED_ARCHITECTURES.values()}
@@ -40,6 +42,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     sliding_window: int | None = None
+    qk_norm: bool = False  # q_norm / k_norm: RMSNorm over each head of q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -101,6 +104,7 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", arch == "qwen2")),
             sliding_window=sliding,
+            qk_norm=arch in ARCHITECTURES_WITH_QK_NORM,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -52,7 +52,8 @@ _BYTE_LEVEL_PRE = {
         name: _BytePreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
         for name in ("llama-bpe", "llama3", "llama-v3")
     },
-    "qwen2": _BytePreTokenizer(_QWEN2_SPLIT, nfc=True),
+    # llama.cpp treats "deepseek-r1-qwen" (DeepSeek-R1-Distill-Qwen files) exactly as "qwen2" (llama-vocab.cpp)
+    **{name: _BytePreTokenizer(_QWEN2_SPLIT, nfc=True) for name in ("qwen2", "deepseek-r1-qwen")},
 }
 
 

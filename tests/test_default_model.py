@@ -81,6 +81,7 @@ def test_cli_info_reports_kv_bytes_by_formula():
     out = proc.stdout
     assert "46,080 B = 45.0 KiB fp32" in out  # 2 x 30 layers x 3 kv heads x 64 x 4 B
     assert "llama" in out and "Q4_1" in out and "8192" in out
+    assert "Qwen3ForCausalLM" in out and "qwen3" in out and "Q6_K" in out  # what quill runs is listed
 
 
 def test_cli_chat_two_turns_then_exit():

@@ -19,7 +19,7 @@ from tiny_models import make_hf_model
 
 pytest.importorskip("transformers")
 
-KINDS = ["llama-gqa", "llama3-tied", "qwen2", "mistral"]
+KINDS = ["llama-gqa", "llama3-tied", "qwen2", "qwen3", "mistral"]
 
 
 def build_quill(hf_model, block_size=4, num_blocks=64, kv_dtype=torch.float32, model=None):
@@ -49,7 +49,7 @@ def test_prefill_and_decode_match_transformers(kind, fused):
         assert runner.fused is not None or native.load() is None
     else:
         runner.fused = None
-    assert cfg.tie_word_embeddings == (kind == "llama3-tied")
+    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3"))
     torch.manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()  # crosses several 4-token blocks
     seq = Sequence("r", prompt, SamplingParams())
@@ -215,24 +215,38 @@ def test_hf_folder_quantize_int8_close_to_fp32(tmp_path):
     assert ((b - a).norm() / a.norm()).item() < 0.05
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
-def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path, fused):
-    """A Llama 3.1-style GGUF (llama3 RoPE scaling written as rope_freqs.weight, as llama.cpp's converter
-    does) loads through the GGUF loader and agrees with transformers: prefill and 8 decode steps."""
+GGUF_KINDS = {"llama-gqa": "llama", "llama3-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def gguf_model(hf, path, arch: str, **kw):
+    """hf written as llama.cpp's converter writes `arch`, then loaded through quill's GGUF loader."""
     import collections
 
     from quill.models.gguf import GGUFModelFile
     from quill.models.loader import PackedGGUFWeights
     from tiny_models import write_llama_gguf
 
-    hf = make_hf_model("llama3-tied")
-    write_llama_gguf(hf, tmp_path / "llama31.gguf")
-    gf = GGUFModelFile(tmp_path / "llama31.gguf")
-    cfg = gf.model_config()
-    assert cfg.rope_scaling_dict["rope_type"] == "freq_factors" and len(cfg.rope_scaling_dict["factors"]) == cfg.head_dim // 2
-    model = LlamaForCausalLM(cfg, PackedGGUFWeights(gf, "cpu", collections.Counter()))
+    write_llama_gguf(hf, path, arch=arch, **kw)
+    gf = GGUFModelFile(path)
+    return LlamaForCausalLM(gf.model_config(), PackedGGUFWeights(gf, "cpu", collections.Counter()))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_gguf_file_matches_transformers(tmp_path, kind, fused):
+    """The tiny model written as a GGUF with llama.cpp's tensor names and metadata keys (llama: q/k
+    permuted, llama3 scaling as rope_freqs.weight; qwen3: attn_q_norm / attn_k_norm) loads and
+    agrees with transformers: prefill and 8 decode steps, on the fused and the torch decode path."""
+    hf = make_hf_model(kind)
+    model = gguf_model(hf, tmp_path / f"{kind}.gguf", GGUF_KINDS[kind])
+    cfg = model.config
+    if kind == "llama3-tied":
+        assert cfg.rope_scaling_dict["rope_type"] == "freq_factors" and len(cfg.rope_scaling_dict["factors"]) == cfg.head_dim // 2
+    assert cfg.qk_norm == (kind == "qwen3")
     _, runner, bm = build_quill(hf, model=model)
-    if not fused:
+    if fused:
+        assert runner.fused is not None or native.load() is None
+    else:
         runner.fused = None
     prompt = torch.randint(0, cfg.vocab_size, (45,), generator=torch.Generator().manual_seed(2)).tolist()  # past 32
     seq = Sequence("r", prompt, SamplingParams())
@@ -249,11 +263,50 @@ def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path, fused):
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0, -1:]
         assert (logits - ref).abs().max().item() < 1e-4
-    # without the factors the same file is plain RoPE, and transformers disagrees: the factors matter
-    write_llama_gguf(hf, tmp_path / "plain.gguf", rope_freqs=False)
-    plain = LlamaForCausalLM(GGUFModelFile(tmp_path / "plain.gguf").model_config(),
-                             PackedGGUFWeights(GGUFModelFile(tmp_path / "plain.gguf"), "cpu", collections.Counter()))
-    _, runner2, bm2 = build_quill(hf, model=plain)
-    wrong = run_chunk(runner2, bm2, Sequence("p", prompt, SamplingParams()), 0, len(prompt))
+
+
+def test_rope_freqs_matter(tmp_path):
+    """Without rope_freqs the Llama 3.1-style file is plain RoPE, and transformers disagrees."""
+    hf = make_hf_model("llama3-tied")
+    plain = gguf_model(hf, tmp_path / "plain.gguf", "llama", rope_freqs=False)
+    _, runner, bm = build_quill(hf, model=plain)
+    prompt = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    wrong = run_chunk(runner, bm, Sequence("p", prompt, SamplingParams()), 0, len(prompt))
     with torch.no_grad():
         assert (wrong - hf(torch.tensor([prompt])).logits[0]).abs().max().item() > 1e-3
+
+
+def test_fused_path_refuses_a_recipe_it_does_not_implement(caplog):
+    """The fused decode layer checks the model it is given and refuses, naming why, anything it would
+    not compute exactly: an unknown architecture, a sliding window, a layer built differently, q/k
+    norms that disagree with the config. Every supported architecture is accepted (asserted above)."""
+    import dataclasses
+    import logging
+
+    from quill.kernels.fused_decode import FusedDecoder, refusal
+
+    if native.load() is None:
+        pytest.skip("no native kernels on this machine")
+    hf = make_hf_model("qwen3")
+    _, runner, _ = build_quill(hf)
+    model = runner.model
+    assert refusal(model) is None and runner.fused is not None
+    good = model.config
+    cases = {
+        "architecture 'gemma3'": dataclasses.replace(good, architecture="gemma3"),
+        "sliding-window attention (8 positions)": dataclasses.replace(good, sliding_window=8),
+        "q/k norms [True, True] do not match the config (qk_norm=False)": dataclasses.replace(good, qk_norm=False),
+    }
+    for reason, cfg in cases.items():
+        model.config = cfg
+        with caplog.at_level(logging.WARNING, logger="quill.kernels"):
+            decoder = FusedDecoder(model, runner.kv_cache.layers)
+        assert not decoder.available and reason in decoder.refusal, decoder.refusal
+        assert reason in caplog.text
+    model.config = good
+
+    class Sandwich(type(model.layers[0])):  # a layer with a different residual layout
+        pass
+
+    model.layers[0].__class__ = Sandwich
+    assert "layer 0 is built from Sandwich" in refusal(model)

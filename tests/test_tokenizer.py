@@ -239,6 +239,7 @@ def byte_vocab_meta(pre, **extra):
         ("smollm", "ab 12345", ["ab", "Ġ", "1", "2", "3", "4", "5"]),
         ("llama-bpe", "I'M 12345\n\n x", ["I", "'M", "Ġ", "123", "45", "ĊĊ", "Ġx"]),
         ("qwen2", "ab 123", ["ab", "Ġ", "1", "2", "3"]),
+        ("deepseek-r1-qwen", "ab 123", ["ab", "Ġ", "1", "2", "3"]),
     ],
 )
 def test_pre_tokenizer_per_model(pre, text, pieces):

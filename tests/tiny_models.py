@@ -9,7 +9,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def make_hf_model(kind: str):
-    """kind: llama-gqa | llama3-tied | qwen2 | mistral -> transformers model in fp32, eval mode."""
+    """kind: llama-gqa | llama3-tied | qwen2 | qwen3 | mistral -> transformers model in fp32, eval mode."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -25,6 +25,9 @@ def make_hf_model(kind: str):
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**TINY, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6)
         model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":  # q/k RMSNorm per head; head_dim set apart from hidden / heads, as Qwen3 does
+        cfg = tf.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, rope_theta=1e6)
+        model = tf.Qwen3ForCausalLM(cfg)
     elif kind == "mistral":
         cfg = tf.MistralConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None)
         model = tf.MistralForCausalLM(cfg)
@@ -43,7 +46,8 @@ _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
                 "lm_head.weight": "output.weight"}
 _GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def llama_cpp_permute(weights, num_heads: int):
@@ -59,7 +63,7 @@ def _rope_parameters(config) -> dict:
     return params
 
 
-def llama3_rope_freqs(config) -> "np.ndarray":
+def llama3_rope_freqs(config):
     """The rope_freqs.weight llama.cpp's converter writes for "llama3" scaling: per rotary frequency
     1 for wavelengths under original/high_freq_factor, `factor` above original/low_freq_factor, and
     1 / ((1 - smooth) / factor + smooth) in between (convert_hf_to_gguf.py, LlamaModel)."""
@@ -85,15 +89,17 @@ def llama3_rope_freqs(config) -> "np.ndarray":
     return np.array(out, dtype=np.float32)
 
 
-def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True) -> None:
-    """A llama-architecture GGUF of a tiny transformers Llama, written as llama.cpp's converter would:
-    its tensor names and metadata keys, q/k rows permuted, F32 tensors, rope_freqs for llama3 scaling."""
+def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True, arch: str = "llama") -> None:
+    """A GGUF of a tiny transformers model, written as llama.cpp's converter would: its tensor names
+    and metadata keys, F32 tensors; for arch "llama" q/k rows permuted and rope_freqs for llama3
+    scaling (qwen2/qwen3 are stored in Hugging Face row order)."""
     import gguf
     import numpy as np
 
     cfg = hf_model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -102,13 +108,17 @@ def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True) -> None:
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(float(_rope_parameters(cfg)["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     writer.add_eos_token_id(cfg.vocab_size - 1)
     if rope_freqs and _rope_parameters(cfg).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     for name, tensor in hf_model.state_dict().items():
+        if "rotary_emb" in name:
+            continue
         array = tensor.detach().float().numpy()
         if name in _GGUF_GLOBAL:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -117,9 +127,9 @@ def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True) -> None:
             continue
         _, _, layer, *rest = name.split(".")
         module, suffix = ".".join(rest[:-1]), rest[-1]
-        if module == "self_attn.q_proj":
+        if arch == "llama" and module == "self_attn.q_proj":
             array = llama_cpp_permute(array, heads)
-        elif module == "self_attn.k_proj":
+        elif arch == "llama" and module == "self_attn.k_proj":
             array = llama_cpp_permute(array, kv_heads)
         writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}", np.ascontiguousarray(array))
     writer.write_header_to_file()

@@ -30,7 +30,7 @@ def describe(loaded) -> dict:
         "model": loaded.name,
         "path": str(loaded.path),
         "format": loaded.file_format,
-        "architecture": c.architecture,
+        "architecture": c.architecture + (" (q/k norm)" if c.qk_norm else ""),
         "parameters": f"{c.num_parameters:,} ({c.num_parameters / 1e6:.1f} M)",
         "file size": f"{loaded.file_bytes / 2**20:.1f} MiB",
         "tensor types": types,
@@ -44,7 +44,19 @@ def describe(loaded) -> dict:
         "KV bytes per token": f"{kv:,} B = {kv / 1024:.1f} KiB fp32 "
                               f"(2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x {c.head_dim} x 4 B); "
                               f"{c.kv_bytes_per_token(2) / 1024:.1f} KiB fp16",
+        "quill runs": supported_summary(),
     }
+
+
+def supported_summary() -> str:
+    """The architectures and tensor types quill loads, for `quill info` and refusals."""
+    from quill.config import SUPPORTED_ARCHITECTURES
+    from quill.kernels.dequant import SUPPORTED_TYPES
+    from quill.models.gguf import GGUF_ARCHITECTURES
+
+    return (f"HF {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; GGUF {', '.join(GGUF_ARCHITECTURES)} "
+            f"(Llama 2/3.x incl. rope_freqs, SmolLM, Mistral, Qwen2/2.5, DeepSeek-R1-Distill-Qwen, Qwen3); "
+            f"tensor types {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
 
 
 def _scaling(scaling: dict) -> str:

@@ -9,6 +9,7 @@ step hands over grows with the batch, not with the contexts.
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 
@@ -17,6 +18,7 @@ from quill.kernels import options as kopts
 from quill.kernels.linear import DenseLinear
 from quill.kernels.packed import PackedLinear, PackedWeight
 
+logger = logging.getLogger("quill.kernels")
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
@@ -26,7 +28,36 @@ class QWeight(ctypes.Structure):
 
 class LayerWeights(ctypes.Structure):
     _fields_ = [("norm1", P), ("norm2", P), ("qkv", QWeight), ("o", QWeight), ("gate_up", QWeight),
-                ("down", QWeight), ("k_cache", P), ("v_cache", P)]
+                ("down", QWeight), ("k_cache", P), ("v_cache", P), ("q_norm", P), ("k_norm", P)]
+
+
+# The layer quill_decode_layer computes: pre-norm RMSNorm; fused QKV, with or without bias; per-head
+# q/k RMSNorm where the architecture has it; rotate-half RoPE on every layer from the model's
+# cos/sin tables (any frequency scaling is already in them); full causal attention over the paged
+# cache; O; RMSNorm; SwiGLU; both residuals. An architecture is listed once its layer is exactly that.
+FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def refusal(model) -> str | None:
+    """Why the fused decode layer cannot compute this model's layers exactly, or None."""
+    from quill.models.llama import MLP, Attention, DecoderLayer, RMSNorm
+
+    cfg = model.config
+    if cfg.architecture not in FUSED_ARCHITECTURES:
+        return f"architecture {cfg.architecture!r} is not one it implements ({', '.join(sorted(FUSED_ARCHITECTURES))})"
+    if cfg.sliding_window:
+        return f"sliding-window attention ({cfg.sliding_window} positions) is not implemented in it"
+    if cfg.head_dim % 8 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16:
+        return (f"head_dim {cfg.head_dim} (needs a multiple of 8) or {cfg.num_heads} heads over {cfg.num_kv_heads} "
+                "KV heads (needs a whole group of at most 16)")
+    for i, layer in enumerate(model.layers):
+        parts = (type(layer), type(layer.self_attn), type(layer.mlp))
+        if parts != (DecoderLayer, Attention, MLP):
+            return f"layer {i} is built from {', '.join(t.__name__ for t in parts)}, not the layer it computes"
+        norms = [isinstance(n, RMSNorm) for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+        if norms != [cfg.qk_norm] * 2:
+            return f"layer {i}'s q/k norms {norms} do not match the config (qk_norm={cfg.qk_norm})"
+    return None
 
 
 class ModelShape(ctypes.Structure):
@@ -70,10 +101,14 @@ class FusedDecoder:
         cfg = model.config
         self.cfg = cfg
         self._keep: list = []
-        self.layers = self._build_layers(model, kv_layers) if self.lib is not None else None
-        ok_shape = (cfg.head_dim % 8 == 0 and cfg.num_heads % cfg.num_kv_heads == 0 and not cfg.sliding_window
-                    and cfg.num_heads // cfg.num_kv_heads <= 16)  # MAX_GROUP in decode_layer.c
-        self.available = self.layers is not None and ok_shape
+        # The recipe first: a layer it does not compute exactly is refused, never approximated.
+        self.refusal = refusal(model) if self.lib is not None else "the native kernels are not built"
+        if self.refusal is not None and self.lib is not None:
+            logger.warning("fused decode path refused: %s; decode runs on the torch path", self.refusal)
+        self.layers = self._build_layers(model, kv_layers) if self.refusal is None else None
+        if self.refusal is None and self.layers is None:
+            self.refusal = "a weight type or the KV cache layout has no fused kernel"
+        self.available = self.refusal is None
         if self.available:
             rope = model.rope
             self.shape = ModelShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -90,9 +125,11 @@ class FusedDecoder:
             ws = [_qweight(x, self._keep) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
             if any(w is None for w in ws) or not (k.is_contiguous() and k.dtype in (torch.float32, torch.float16)):
                 return None
+            qn, kn = a.q_norm, a.k_norm
             layers.append(LayerWeights(layer.input_layernorm.weight.data_ptr(),
                                        layer.post_attention_layernorm.weight.data_ptr(), *ws,
-                                       k.data_ptr(), v.data_ptr()))
+                                       k.data_ptr(), v.data_ptr(), None if qn is None else qn.weight.data_ptr(),
+                                       None if kn is None else kn.weight.data_ptr()))
         return layers
 
     def _buf(self, name: str, numel: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from quill.kernels.dequant import SUPPORTED_TYPES, dequantize
 if TYPE_CHECKING:
     import torch
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs are written with arch "llama"
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs are written with arch "llama"
 # Arrays this long (vocabularies, merges) stay out of the generic metadata dict.
 MAX_GENERIC_ARRAY_LEN = 1024
 
@@ -35,6 +35,8 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that describe the model rather than hold weights: read into ModelConfig, never loaded as layers.
@@ -215,6 +217,7 @@ class GGUFModelFile:
             rope_scaling=self._rope_scaling(),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=self._eos_token_ids(),
         )
@@ -231,7 +234,7 @@ class GGUFModelFile:
     def _row_heads(self, gguf_name: str) -> int | None:
         """Heads to un-permute by for llama q/k tensors; None for tensors stored in HF order."""
         if self.architecture != "llama":
-            return None  # only the llama converter permutes (qwen2 is stored as-is)
+            return None  # only the llama converter permutes (qwen2 and qwen3 are stored as-is)
         kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
         num_heads, num_kv_heads = self._head_counts
         return {"attn_q": num_heads, "attn_k": num_kv_heads}.get(kind)

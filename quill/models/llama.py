@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 The model sees only flat token tensors and AttentionMetadata; it never sees a Sequence.
 Weights arrive already fused (qkv_proj, gate_up_proj) through a `make_linear` factory so a
@@ -60,9 +60,11 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention with fused QKV and RoPE."""
 
-    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o_proj: nn.Module, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o_proj: nn.Module, rope: RotaryEmbedding,
+                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
         super().__init__()
         self.qkv_proj, self.o_proj, self.rope = qkv, o_proj, rope
+        self.q_norm, self.k_norm = q_norm, k_norm  # per-head RMSNorm before RoPE (Qwen3), or None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -75,6 +77,8 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope.apply(q, k, positions)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -139,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
             weights.linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], cfg.attention_bias),
             weights.linear([p + "self_attn.o_proj"], False),
             self.rope,
+            *((RMSNorm(weights.tensor(p + "self_attn.q_norm.weight"), cfg.rms_norm_eps),
+               RMSNorm(weights.tensor(p + "self_attn.k_norm.weight"), cfg.rms_norm_eps)) if cfg.qk_norm else ()),
         )
         mlp = MLP(weights.linear([p + "mlp.gate_proj", p + "mlp.up_proj"], False),
                   weights.linear([p + "mlp.down_proj"], False))

@@ -1,6 +1,6 @@
 /* One decoder layer for B decode rows, fused: the whole layer is one call from Python.
  *
- *   x += o_proj(attention(rope(qkv(rmsnorm(x)))))      K/V of the new token written first
+ *   x += o_proj(attention(rope(qk_norm?(qkv(rmsnorm(x))))))   K/V of the new token written first
  *   x += down(silu(gate) * up)(rmsnorm(x))
  *
  * Every row is computed with the same sequence of operations whatever B is, so a
@@ -29,6 +29,7 @@ typedef struct {
     const float *norm1, *norm2;
     QWeight qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* (kv_heads, slots, head_dim), float or fp16 as ModelShape.kv16 says */
+    const float *q_norm, *k_norm; /* (head_dim,) RMSNorm weights over each q / k head before RoPE, or NULL */
 } LayerWeights;
 
 typedef struct {
@@ -286,6 +287,10 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
     for (int b = 0; b < B; b++) {
         float *row = s->qkv + (long)b * qkv_n;
         const float *c = m->cos + s->positions[b] * hd, *sn = m->sin + s->positions[b] * hd;
+        if (L->q_norm) { /* per-head RMSNorm, in place, as the torch path's q_norm / k_norm */
+            rmsnorm(row, L->q_norm, row, nh, hd, m->eps);
+            rmsnorm(row + (long)nh * hd, L->k_norm, row + (long)nh * hd, nkv, hd, m->eps);
+        }
         for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, c, sn, hd); /* q heads then k heads */
         const float *k = row + nh * hd, *v = k + nkv * hd;
         for (int h = 0; h < nkv; h++) {
