@@ -7,18 +7,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-ARCHITECTURES_WITH_QK_NORM = {"qwen3"}  # RMSNorm over each q and k head, before RoPE
-
-
-_MODEL_TYPES = {v: v for v in SUPPORTED_ARCHITECTURES.values()}
-
-
 class UnsupportedModelError(ValueError):
     """The model file uses an architecture or tensor type quill cannot run."""
 
@@ -43,8 +31,16 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     sliding_window: int | None = None
     qk_norm: bool = False  # q_norm / k_norm: RMSNorm over each head of q and k before RoPE (Qwen3)
+    embedding_multiplier: float = 1.0  # Granite's scalars (1 / 0 / 1 / 1: the plain Llama layer)
+    attention_multiplier: float = 0.0  # attention score scale; 0 means 1/sqrt(head_dim)
+    residual_multiplier: float = 1.0  # each residual branch is scaled by it
+    logits_scaling: float = 1.0  # logits are divided by it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attention_multiplier or self.head_dim**-0.5
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -66,12 +62,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelConfig":
+        from quill.models.archs import HF_ARCHITECTURES, for_hf
+
         archs = config.get("architectures") or [config.get("model_type", "?")]
-        arch = SUPPORTED_ARCHITECTURES.get(archs[0]) or _MODEL_TYPES.get(archs[0])
-        if arch is None:
+        spec = for_hf(archs[0])
+        if spec is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {archs[0]!r}; quill runs {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {archs[0]!r}; quill runs {', '.join(sorted(HF_ARCHITECTURES))}"
             )
+        arch = spec.name
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         eos = config.get("eos_token_id")
@@ -87,7 +86,7 @@ class ModelConfig:
         rope_theta = config.get("rope_theta")
         if rope_theta is None:
             rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mistral") else None
+        sliding = config.get("sliding_window") if config.get("use_sliding_window", spec.sliding_window_by_default) else None
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -102,9 +101,10 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", arch == "qwen2")),
+            attention_bias=bool(config.get("attention_bias", spec.qkv_bias)),
             sliding_window=sliding,
-            qk_norm=arch in ARCHITECTURES_WITH_QK_NORM,
+            qk_norm=spec.qk_norm,
+            **{s.field: float(config.get(s.hf_key) or s.default) for s in spec.scalars},
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -19,7 +19,7 @@ from tiny_models import make_hf_model
 
 pytest.importorskip("transformers")
 
-KINDS = ["llama-gqa", "llama3-tied", "qwen2", "qwen3", "mistral"]
+KINDS = ["llama-gqa", "llama3-tied", "qwen2", "qwen3", "granite", "mistral"]
 
 
 def build_quill(hf_model, block_size=4, num_blocks=64, kv_dtype=torch.float32, model=None):
@@ -49,7 +49,7 @@ def test_prefill_and_decode_match_transformers(kind, fused):
         assert runner.fused is not None or native.load() is None
     else:
         runner.fused = None
-    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3"))
+    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3", "granite"))
     torch.manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()  # crosses several 4-token blocks
     seq = Sequence("r", prompt, SamplingParams())
@@ -215,7 +215,7 @@ def test_hf_folder_quantize_int8_close_to_fp32(tmp_path):
     assert ((b - a).norm() / a.norm()).item() < 0.05
 
 
-GGUF_KINDS = {"llama-gqa": "llama", "llama3-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_KINDS = {"llama-gqa": "llama", "llama3-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "granite"}
 
 
 def gguf_model(hf, path, arch: str, **kw):

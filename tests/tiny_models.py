@@ -9,7 +9,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def make_hf_model(kind: str):
-    """kind: llama-gqa | llama3-tied | qwen2 | qwen3 | mistral -> transformers model in fp32, eval mode."""
+    """kind: llama-gqa | llama3-tied | qwen2 | qwen3 | granite | mistral -> transformers model in fp32, eval mode."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -28,6 +28,10 @@ def make_hf_model(kind: str):
     elif kind == "qwen3":  # q/k RMSNorm per head; head_dim set apart from hidden / heads, as Qwen3 does
         cfg = tf.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, rope_theta=1e6)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "granite":  # the four multipliers, away from 1 so the test sees each one
+        cfg = tf.GraniteConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=True, embedding_multiplier=3.0,
+                               attention_multiplier=0.09, residual_multiplier=0.5, logits_scaling=2.5)
+        model = tf.GraniteForCausalLM(cfg)
     elif kind == "mistral":
         cfg = tf.MistralConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None)
         model = tf.MistralForCausalLM(cfg)
@@ -114,6 +118,11 @@ def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True, arch: str = "ll
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     writer.add_eos_token_id(cfg.vocab_size - 1)
+    if arch == "granite":  # the converter's names for the multipliers
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     if rope_freqs and _rope_parameters(cfg).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     for name, tensor in hf_model.state_dict().items():
@@ -127,9 +136,9 @@ def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True, arch: str = "ll
             continue
         _, _, layer, *rest = name.split(".")
         module, suffix = ".".join(rest[:-1]), rest[-1]
-        if arch == "llama" and module == "self_attn.q_proj":
+        if arch in ("llama", "granite") and module == "self_attn.q_proj":
             array = llama_cpp_permute(array, heads)
-        elif arch == "llama" and module == "self_attn.k_proj":
+        elif arch in ("llama", "granite") and module == "self_attn.k_proj":
             array = llama_cpp_permute(array, kv_heads)
         writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}", np.ascontiguousarray(array))
     writer.write_header_to_file()

@@ -50,12 +50,11 @@ def describe(loaded) -> dict:
 
 def supported_summary() -> str:
     """The architectures and tensor types quill loads, for `quill info` and refusals."""
-    from quill.config import SUPPORTED_ARCHITECTURES
     from quill.kernels.dequant import SUPPORTED_TYPES
-    from quill.models.gguf import GGUF_ARCHITECTURES
+    from quill.models.archs import ARCHITECTURES, GGUF_ARCHITECTURES, HF_ARCHITECTURES
 
-    return (f"HF {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; GGUF {', '.join(GGUF_ARCHITECTURES)} "
-            f"(Llama 2/3.x incl. rope_freqs, SmolLM, Mistral, Qwen2/2.5, DeepSeek-R1-Distill-Qwen, Qwen3); "
+    return (f"{'; '.join(spec.families for spec in ARCHITECTURES.values())} "
+            f"(config.json {', '.join(HF_ARCHITECTURES)}; GGUF {', '.join(GGUF_ARCHITECTURES)}); "
             f"tensor types {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
 
 

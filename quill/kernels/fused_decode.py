@@ -34,8 +34,10 @@ class LayerWeights(ctypes.Structure):
 # The layer quill_decode_layer computes: pre-norm RMSNorm; fused QKV, with or without bias; per-head
 # q/k RMSNorm where the architecture has it; rotate-half RoPE on every layer from the model's
 # cos/sin tables (any frequency scaling is already in them); full causal attention over the paged
-# cache; O; RMSNorm; SwiGLU; both residuals. An architecture is listed once its layer is exactly that.
-FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# cache (scores scaled by the config's attention_scale); O; RMSNorm; SwiGLU; both residuals, each
+# branch times residual_multiplier. The embedding multiplier is applied before the layers and the
+# logits scaling after, by the model. An architecture is listed once its layer is exactly that.
+FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite"})
 
 
 def refusal(model) -> str | None:
@@ -63,7 +65,7 @@ def refusal(model) -> str | None:
 class ModelShape(ctypes.Structure):
     _fields_ = [("hidden", I), ("heads", I), ("kv_heads", I), ("head_dim", I), ("inter", I), ("eps", F),
                 ("scale", F), ("kv16", I), ("kv_slots", ctypes.c_long), ("cos", P), ("sin", P), ("isa", I),
-                ("threads", I)]
+                ("threads", I), ("residual_scale", F)]
 
 
 class StepArgs(ctypes.Structure):
@@ -112,9 +114,10 @@ class FusedDecoder:
         if self.available:
             rope = model.rope
             self.shape = ModelShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                    cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+                                    cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale,
                                     int(kv_layers[0][0].dtype == torch.float16), kv_layers[0][0].shape[1],
-                                    rope.cos.data_ptr(), rope.sin.data_ptr(), self.options.isa, self.options.threads)
+                                    rope.cos.data_ptr(), rope.sin.data_ptr(), self.options.isa, self.options.threads,
+                                    cfg.residual_multiplier)
             self._scratch: dict[str, torch.Tensor] = {}
             self._split = self.lib.quill_attention_split()  # context positions per attention task
 
@@ -157,7 +160,7 @@ class FusedDecoder:
         lmax = int(ctx_lens.max()) if max_ctx is None else max_ctx
         if lmax > max_blocks * block_size:
             raise ValueError(f"a context of {lmax} positions does not fit {max_blocks} blocks of {block_size}")
-        x = self.model.embed_tokens(input_ids).contiguous()  # (B, H)
+        x = self.model.embed(input_ids).contiguous()  # (B, H), times any embedding multiplier
         qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
         step = StepArgs(

@@ -12,11 +12,12 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 
 from quill.config import ModelConfig, UnsupportedModelError
 from quill.kernels.dequant import SUPPORTED_TYPES, dequantize
+from quill.models.archs import GGUF_ARCHITECTURES, ArchSpec, for_gguf
 
 if TYPE_CHECKING:
     import torch
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs are written with arch "llama"
+
 # Arrays this long (vocabularies, merges) stay out of the generic metadata dict.
 MAX_GENERIC_ARRAY_LEN = 1024
 
@@ -35,8 +36,6 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that describe the model rather than hold weights: read into ModelConfig, never loaded as layers.
@@ -53,12 +52,14 @@ class GGUFTensor(NamedTuple):
     raw: np.ndarray  # memory-mapped where possible; rows of blocks for quantized types
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name (blk.3.attn_q.weight) to its Hugging Face name."""
+def hf_tensor_name(gguf_name: str, spec: ArchSpec | None = None) -> str:
+    """Map a llama.cpp tensor name (blk.3.attn_q.weight) to its Hugging Face name; `spec` adds
+    its family's own layer tensors (Qwen3's attn_q_norm, ...)."""
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, kind, suffix = m.groups()
-        if kind in _LAYER_TENSORS:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+        module = _LAYER_TENSORS.get(kind) or (spec.gguf_layer_tensors.get(kind) if spec else None)
+        if module:
+            return f"model.layers.{layer}.{module}.{suffix}"
     else:
         base, _, suffix = gguf_name.rpartition(".")
         if base in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
@@ -140,7 +141,8 @@ class GGUFModelFile:
 
     @cached_property
     def _tensors_by_hf_name(self) -> dict[str, Any]:
-        return {hf_tensor_name(t.name): t for t in self._reader.tensors if t.name not in _CONFIG_TENSORS}
+        spec = self.spec
+        return {hf_tensor_name(t.name, spec): t for t in self._reader.tensors if t.name not in _CONFIG_TENSORS}
 
     @property
     def tensor_names(self) -> list[str]:
@@ -153,6 +155,12 @@ class GGUFModelFile:
         if value is ...:
             raise UnsupportedModelError(f"GGUF metadata lacks required key {key!r}")
         return value
+
+    @property
+    def spec(self) -> ArchSpec:
+        """This file's family definition (quill.models.archs); UnsupportedModelError if none."""
+        self._check_architecture()
+        return for_gguf(self.architecture)
 
     def _check_architecture(self) -> str:
         if self.architecture not in GGUF_ARCHITECTURES:
@@ -196,14 +204,14 @@ class GGUFModelFile:
         return tuple(ids)
 
     def model_config(self) -> ModelConfig:
-        """ModelConfig from the {arch}.* keys, tokenizer ids and which tensors exist."""
-        arch = self._check_architecture()
+        """ModelConfig from the {arch}.* keys, tokenizer ids, which tensors exist and the family's definition."""
+        spec = self.spec
         hidden = int(self._arch_key("embedding_length"))
         num_heads = int(self._arch_key("attention.head_count"))
         head_dim = self._arch_key("attention.key_length", None) or self._arch_key("rope.dimension_count", None)
         tensor_names = {t.name for t in self._reader.tensors}
         return ModelConfig(
-            architecture=arch,
+            architecture=spec.name,
             vocab_size=self._vocab_size(),
             hidden_size=hidden,
             intermediate_size=int(self._arch_key("feed_forward_length")),
@@ -217,7 +225,8 @@ class GGUFModelFile:
             rope_scaling=self._rope_scaling(),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            qk_norm=spec.qk_norm,
+            **{s.field: float(self._arch_key(s.gguf_key, s.default)) for s in spec.scalars},
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=self._eos_token_ids(),
         )
@@ -233,8 +242,8 @@ class GGUFModelFile:
 
     def _row_heads(self, gguf_name: str) -> int | None:
         """Heads to un-permute by for llama q/k tensors; None for tensors stored in HF order."""
-        if self.architecture != "llama":
-            return None  # only the llama converter permutes (qwen2 and qwen3 are stored as-is)
+        if not self.spec.gguf_permutes_qk:
+            return None  # stored in Hugging Face row order (qwen2, qwen3)
         kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
         num_heads, num_kv_heads = self._head_counts
         return {"attn_q": num_heads, "attn_k": num_kv_heads}.get(kind)
@@ -253,7 +262,7 @@ class GGUFModelFile:
             rows = shape[0]
             raw = raw.reshape(rows, -1)[rope_unpermute_index(rows, heads)].reshape(raw.shape)
         qtype = GGMLQuantizationType(reader_tensor.tensor_type)
-        return GGUFTensor(hf_tensor_name(reader_tensor.name), qtype, shape, raw)
+        return GGUFTensor(hf_tensor_name(reader_tensor.name, self.spec), qtype, shape, raw)
 
     def iter_tensors(self) -> Iterator[GGUFTensor]:
         """Every weight tensor in file order, renamed and (llama q/k) row-reordered to Hugging Face

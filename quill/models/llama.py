@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale  # 1/sqrt(head_dim), or the family's own (Granite)
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata):  # x (T, H)
         T = x.shape[0]
@@ -101,14 +101,18 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP with residuals."""
 
-    def __init__(self, attn: Attention, mlp: MLP, in_norm: RMSNorm, post_norm: RMSNorm):
+    def __init__(self, attn: Attention, mlp: MLP, in_norm: RMSNorm, post_norm: RMSNorm, residual_multiplier: float = 1.0):
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
         self.input_layernorm, self.post_attention_layernorm = in_norm, post_norm
+        self.residual_multiplier = residual_multiplier  # each branch scaled before it is added (Granite)
 
     def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x), meta.gemv_rows)
+        r = self.residual_multiplier
+        attn = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        x = x + (attn if r == 1.0 else attn * r)
+        mlp = self.mlp(self.post_attention_layernorm(x), meta.gemv_rows)
+        return x + (mlp if r == 1.0 else mlp * r)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
             mlp,
             RMSNorm(weights.tensor(p + "input_layernorm.weight"), cfg.rms_norm_eps),
             RMSNorm(weights.tensor(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps),
+            cfg.residual_multiplier,
         )
 
     def resident_bytes(self) -> int:
@@ -175,11 +180,19 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
         """input_ids, positions (T,) -> hidden (T, H) after the final norm."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, kv, meta)
         return self.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, times the family's embedding multiplier (Granite) where it has one."""
+        x = self.embed_tokens(input_ids)
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * m
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, H) -> (B, V)
-        return self.lm_head(hidden, hidden.shape[0])  # every row: logits stay batch-invariant
+        logits = self.lm_head(hidden, hidden.shape[0])  # every row: logits stay batch-invariant
+        s = self.config.logits_scaling
+        return logits if s == 1.0 else logits / s

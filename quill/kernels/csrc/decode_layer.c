@@ -40,6 +40,7 @@ typedef struct {
     const float *cos, *sin; /* (positions, head_dim) */
     int isa;     /* the caller's choice: 512 = AVX-512 kernels where the CPU has them, 256 = AVX2 */
     int threads; /* the caller's OpenMP team size for every parallel region of a call */
+    float residual_scale; /* each residual branch is multiplied by it before the add (1 but for Granite) */
 } ModelShape;
 
 /* One step's rows. Cache slots come from the block tables here, so the caller's per-step work
@@ -307,7 +308,7 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
     }
     attention(m, L, s);
     gemv(m, &L->o, s->attn, s->sums, s->tmp, B);
-    for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
+    for (long i = 0; i < (long)B * H; i++) x[i] += m->residual_scale == 1.0f ? s->tmp[i] : s->tmp[i] * m->residual_scale;
     rmsnorm(x, L->norm2, s->h, B, H, m->eps);
     gemv(m, &L->gate_up, s->h, s->sums, s->gu, B);
 #pragma omp parallel for schedule(static) num_threads(m->threads > 0 ? m->threads : 1)
@@ -323,5 +324,5 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
         for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     gemv(m, &L->down, s->act, s->sums, s->tmp, B);
-    for (long i = 0; i < (long)B * H; i++) x[i] += s->tmp[i];
+    for (long i = 0; i < (long)B * H; i++) x[i] += m->residual_scale == 1.0f ? s->tmp[i] : s->tmp[i] * m->residual_scale;
 }
