@@ -40,18 +40,8 @@ def run_chunk(runner, bm, seq, start, n):
     return runner.model.compute_logits(hidden)  # (n, V)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_prefill_and_decode_match_transformers(kind, fused):
-    hf = make_hf_model(kind)
-    cfg, runner, bm = build_quill(hf)
-    if fused:
-        assert runner.fused is not None or native.load() is None
-    else:
-        runner.fused = None
-    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3", "granite"))
-    torch.manual_seed(1)
-    prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()  # crosses several 4-token blocks
+def assert_prefill_and_8_decodes_match(hf, runner, bm, prompt: list[int]) -> None:
+    """Prefill logits, then 8 greedy decode steps, each within 1e-4 of transformers."""
     seq = Sequence("r", prompt, SamplingParams())
     logits = run_chunk(runner, bm, seq, 0, len(prompt))
     with torch.no_grad():
@@ -66,6 +56,21 @@ def test_prefill_and_decode_match_transformers(kind, fused):
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0, -1:]
         assert (logits - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_and_decode_match_transformers(kind, fused):
+    hf = make_hf_model(kind)
+    cfg, runner, bm = build_quill(hf)
+    if fused:
+        assert runner.fused is not None or native.load() is None
+    else:
+        runner.fused = None
+    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3", "granite"))
+    torch.manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()  # crosses several 4-token blocks
+    assert_prefill_and_8_decodes_match(hf, runner, bm, prompt)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -249,20 +254,7 @@ def test_gguf_file_matches_transformers(tmp_path, kind, fused):
     else:
         runner.fused = None
     prompt = torch.randint(0, cfg.vocab_size, (45,), generator=torch.Generator().manual_seed(2)).tolist()  # past 32
-    seq = Sequence("r", prompt, SamplingParams())
-    logits = run_chunk(runner, bm, seq, 0, len(prompt))
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (logits - ref).abs().max().item() < 1e-4
-    tokens = list(prompt)
-    for _ in range(8):
-        nxt = int(logits[-1].argmax())
-        seq.append_token(nxt, 0.0)
-        tokens.append(nxt)
-        logits = run_chunk(runner, bm, seq, len(tokens) - 1, 1)
-        with torch.no_grad():
-            ref = hf(torch.tensor([tokens])).logits[0, -1:]
-        assert (logits - ref).abs().max().item() < 1e-4
+    assert_prefill_and_8_decodes_match(hf, runner, bm, prompt)
 
 
 def test_rope_freqs_matter(tmp_path):
