@@ -45,6 +45,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="a .gguf file or a Hugging Face folder (config.json + *.safetensors); "

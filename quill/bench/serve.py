@@ -12,6 +12,7 @@ from pathlib import Path
 from quill.bench import report
 from quill.bench.client import normalize_base_url
 from quill.bench.loadgen import ServeBenchConfig, bench
+from quill.cli_args import positive_float
 from quill.bench.stats import Slo
 
 
@@ -40,16 +41,6 @@ def positive_int(text: str) -> int:
     if len(value) != 1:
         raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
     return value[0]
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def word_range(text: str) -> tuple[int, int]:

@@ -14,7 +14,8 @@ from typing import TextIO
 import httpx
 
 from quill.bench.client import first_model_id, make_client, normalize_base_url
-from quill.bench.serve import positive_float, positive_int
+from quill.bench.serve import positive_int
+from quill.cli_args import positive_float
 from quill.bench.soak_cases import BAD_CASES, healthy_pool
 from quill.bench.soak_storm import (KINDS, OUTCOMES, SoakConfig, Storm, fault_phases, read_gauges, reference_texts,
                                     tally, wait_idle)

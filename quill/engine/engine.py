@@ -37,7 +37,6 @@ class StepInfo:
     num_decode_tokens: int = 0
     seconds: float = 0.0
     preempted: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)  # requests that failed alone in this step
 
 
 # What a request was doing when it failed, for its error message (the keys are FAULT_PHASES).
@@ -229,8 +228,7 @@ class LLMEngine:
             self._accept_token(state, seq, token_id, logprobs, when, touched)
             touched[seq.request_id] = state
         elapsed = time.perf_counter() - t0
-        failed = [rid for rid, state in touched.items() if state.error is not None]
-        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted], failed)
+        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted])
         self.stats.record_step(num_prefill, num_decode, elapsed, len(sched.preempted))
         for state in touched.values():
             outputs.append(self._emit(state))
@@ -247,10 +245,11 @@ class LLMEngine:
         """Each scheduled row's own preparation: a request that fails here leaves the batch."""
         failed = []
         for item in sched.scheduled:
+            phase = "decode" if item.is_decode else "prefill"
             try:
-                self.faults.check("decode" if item.is_decode else "prefill", item.seq.request_id)
+                self.faults.check(phase, item.seq.request_id)
             except Exception as exc:  # noqa: BLE001
-                failed.append((item.seq, "decode" if item.is_decode else "prefill", exc))
+                failed.append((item.seq, phase, exc))
         self._drop(sched, failed, touched)
 
     def _drop(self, sched: SchedulerOutput, failed: list, touched: dict) -> None:

@@ -131,9 +131,7 @@ class ModelRunner:
         for row, t in zip(block_tables, tables):
             row[: len(t)] = t
         positions = [item.start for item in items]
-        # a decode's one new token is the sequence's last (start == num_tokens - 1)
-        ids = [item.seq.last_token_id if item.start == item.seq.num_tokens - 1
-               else item.seq.token_ids_slice(item.start, item.start + 1)[0] for item in items]
+        ids = [item.seq.last_token_id for item in items]  # a decode row's one token is its sequence's last
         return (torch.tensor(ids), torch.tensor(positions, dtype=torch.long), torch.from_numpy(block_tables),
                 torch.tensor([p + 1 for p in positions], dtype=torch.long), self.block_size, max(positions) + 1)
 

@@ -46,9 +46,9 @@ class PrefixView(SequenceABC):
 
     __slots__ = ("_items", "_length")
 
-    def __init__(self, items: list, length: int | None = None):
+    def __init__(self, items: list):
         self._items = items
-        self._length = len(items) if length is None else length
+        self._length = len(items)  # the snapshot: later appends to items are not seen
 
     def __len__(self) -> int:
         return self._length

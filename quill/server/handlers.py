@@ -126,7 +126,6 @@ def resolve_max_tokens(req, prompt_len: int, max_model_len: int, default: int | 
 
 def engine_error(exc: Exception, names: dict, retry_after: float) -> APIError:
     """Map what engine.generate raised at admission to an HTTP error."""
-    from quill.engine.errors import RequestFailed
     from quill.sampling_params import ParamError
 
     if isinstance(exc, APIError):

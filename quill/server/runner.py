@@ -68,10 +68,9 @@ def _load_engine(state, config, server: DrainingServer) -> None:
     t0 = time.perf_counter()
     try:
         from quill.engine.async_engine import AsyncEngine
-
-        import_ms = before_import + (time.perf_counter() - t0) * 1000.0
         from quill.engine.engine import freeze_heap
 
+        import_ms = before_import + (time.perf_counter() - t0) * 1000.0
         engine = AsyncEngine.from_config(config)
         freeze_heap()  # this process is the server's
         engine.start()

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from quill.cli_args import add_engine_args, engine_config_from_args, parse_size, positive_int, size_arg  # noqa: F401
+from quill.cli_args import add_engine_args, engine_config_from_args, parse_size, positive_float, positive_int, size_arg  # noqa: F401
 
 logger = logging.getLogger("quill.server")
 
@@ -20,13 +20,6 @@ def _nonnegative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _nonnegative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
     return value
 
 
@@ -42,12 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-size", type=size_arg, default=4 * 1024 * 1024, metavar="SIZE", help="largest request body (default 4MiB)")
     g.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
     c = p.add_argument_group("connections (slow or hostile clients)")
-    c.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0, metavar="SECONDS",
+    c.add_argument("--timeout-keep-alive", type=positive_float, default=5.0, metavar="SECONDS",
                    help="close a kept-alive connection idle this long between requests (default 5)")
-    c.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="SECONDS",
+    c.add_argument("--header-timeout", type=positive_float, default=10.0, metavar="SECONDS",
                    help="the request line and headers must arrive within this, from the connection's opening or the "
                         "request's first byte; 408 and close after it, a silent new connection is just closed (default 10)")
-    c.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+    c.add_argument("--body-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                    help="the whole request body must arrive within this once the headers are in; 408 after (default 30)")
     c.add_argument("--max-header-bytes", type=size_arg, default=64 * 1024, metavar="SIZE",
                    help="largest request line + headers; 431 beyond (default 64KiB)")
