@@ -55,6 +55,15 @@ typedef struct {
     float *h, *qkv, *attn, *gu, *act, *tmp, *scores, *sums, *partials; /* scratch */
 } StepArgs;
 
+static inline int team(const ModelShape *m) { return m->threads > 0 ? m->threads : 1; } /* OpenMP team size */
+
+/* x += branch, each branch scaled by the model's residual multiplier (1 but for Granite). */
+static void add_residual(const ModelShape *m, float *x, const float *branch, long n) {
+    const float r = m->residual_scale;
+    if (r == 1.0f) for (long i = 0; i < n; i++) x[i] += branch[i];
+    else for (long i = 0; i < n; i++) x[i] += branch[i] * r;
+}
+
 static inline long slot_of(const StepArgs *s, int b, long pos) {
     const int32_t *table = s->block_tables + (long)b * s->max_blocks;
     return (long)table[pos / s->block_size] * s->block_size + pos % s->block_size;
@@ -105,7 +114,7 @@ static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
 }
 
 static void gemv(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B) {
-    int N = w->rows, K = w->groups * 32, nt = m->threads > 0 ? m->threads : 1;
+    int N = w->rows, K = w->groups * 32, nt = team(m);
     if (w->kind == 0) quill_gemv_q4(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, m->isa, nt);
     else if (w->kind == 1) quill_gemv_q8(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, m->isa, nt);
     else if (w->kind >= 3) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums, nt);
@@ -235,7 +244,7 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
     const int nsplit = (s->max_ctx + SPLIT - 1) / SPLIT;
     const long part = (long)group * (hd + 2); /* per task: max[group], sum[group], acc[group][hd] */
     const int wide = hd % 16 == 0 && quill_isa_used(m->isa) == 512;
-#pragma omp parallel num_threads(m->threads > 0 ? m->threads : 1)
+#pragma omp parallel num_threads(team(m))
     {
 #pragma omp for schedule(static) collapse(3)
         for (int b = 0; b < B; b++)
@@ -308,10 +317,10 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
     }
     attention(m, L, s);
     gemv(m, &L->o, s->attn, s->sums, s->tmp, B);
-    for (long i = 0; i < (long)B * H; i++) x[i] += m->residual_scale == 1.0f ? s->tmp[i] : s->tmp[i] * m->residual_scale;
+    add_residual(m, x, s->tmp, (long)B * H);
     rmsnorm(x, L->norm2, s->h, B, H, m->eps);
     gemv(m, &L->gate_up, s->h, s->sums, s->gu, B);
-#pragma omp parallel for schedule(static) num_threads(m->threads > 0 ? m->threads : 1)
+#pragma omp parallel for schedule(static) num_threads(team(m))
     for (int b = 0; b < B; b++) {
         const float *g = s->gu + (long)b * 2 * I, *u = g + I;
         float *a = s->act + (long)b * I;
@@ -324,5 +333,5 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
         for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     gemv(m, &L->down, s->act, s->sums, s->tmp, B);
-    for (long i = 0; i < (long)B * H; i++) x[i] += m->residual_scale == 1.0f ? s->tmp[i] : s->tmp[i] * m->residual_scale;
+    add_residual(m, x, s->tmp, (long)B * H);
 }
