@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import json
 import operator
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 
@@ -85,11 +87,26 @@ def _loop_items(iterable):
 
 
 class _BoundedNamespace(Namespace):
-    """namespace() whose attributes cannot hold a string or list over the size limit."""
+    """namespace() whose attributes cannot hold a string or list over the size limit, nor have a
+    name starting with "_" (transformers refuses those too: they lead towards CPython internals)."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 - jinja's trick, so that namespace(self=...) still works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name, value in attrs.items():
+            _BoundedNamespace._check(name, value)
+        Namespace.__init__(self, attrs)
 
     def __setitem__(self, name, value):
-        _check_result(value, f"namespace attribute {name!r}")
+        _BoundedNamespace._check(name, value)
         super().__setitem__(name, value)
+
+    @staticmethod
+    def _check(name, value) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template may not store an attribute whose name starts with '_' on a namespace, got {name!r}")
+        _check_result(value, f"namespace attribute {name!r}")
 
 
 def _raise_exception(message: str):
@@ -212,15 +229,104 @@ def compile_chat_template(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 
 
+# Where a message may carry its reasoning text; the first is the name templates read (Qwen3's
+# message.reasoning_content), "thinking" is what gpt-oss templates read.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _plain(value):
+    """A value as transformers lets a template see it (_plain_template_data): JSON-like data
+    rebuilt from plain types (str / int / float subclasses such as enums back to the base type,
+    dataclasses and pydantic models to dicts, numpy scalars to Python ones), anything else
+    replaced by an inert "<TypeName>" string, so no object's methods are reachable from Jinja."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)) and getattr(value, "ndim", None) == 0:
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _template_message(message: dict) -> dict:
+    """One message as transformers' apply_chat_template hands it to the template: keys whose
+    value is None dropped (OpenAI clients send "content": null, "tool_calls": null; a template's
+    `is defined` / `in message` tests must see them absent), and reasoning given under any of
+    _REASONING_FIELDS also present as `thinking` and `reasoning_content` (in transformers' key order)."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
 def _check_messages(messages) -> list[dict]:
     if not isinstance(messages, (list, tuple)):
         raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:  # transformers refuses one too, before the template sees it
+        raise ChatTemplateError("cannot apply a chat template to an empty conversation; give at least one message")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ChatTemplateError(f"messages[{index}] must be a dict, got {type(message).__name__}")
         if not isinstance(message.get("role"), str):
             raise ChatTemplateError(f"messages[{index}] needs a string 'role', got {message.get('role')!r}")
-    return list(messages)
+    return [_template_message(_plain(message)) for message in messages]
+
+
+# Names a caller's extra template variables (LLM.chat's and the server's chat_template_kwargs)
+# may not take, and why. quill sets the first four itself from its own arguments; in vLLM the
+# request's own fields win over chat_template_kwargs for these (and it refuses chat_template and
+# tokenize outright): quill refuses them all rather than ignore one silently. The rest are
+# arguments of transformers' apply_chat_template, which never reach the template there, or
+# quill's own render limits.
+_QUILL_SETS = "quill sets it from the conversation / request itself"
+_NOT_A_VARIABLE = "it is an argument of transformers' apply_chat_template, not a template variable"
+RESERVED_TEMPLATE_KWARGS: dict[str, str] = {
+    "messages": _QUILL_SETS,
+    "add_generation_prompt": _QUILL_SETS,
+    "tools": _QUILL_SETS,
+    "documents": _QUILL_SETS,
+    "chat_template": "it would choose the template, not fill a variable in it",
+    **{name: _NOT_A_VARIABLE for name in (
+        "conversation", "tokenize", "continue_final_message", "return_dict", "return_tensors",
+        "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
+        "sanitize_control_tokens")},
+    "special_tokens": "it is one of quill's render settings",
+    "max_seconds": "it is one of quill's render limits",
+    "max_chars": "it is one of quill's render limits",
+    _LOOP_HELPER: "quill reserves it for its loop guard",
+}
+
+
+def check_template_kwargs(kwargs, name: str = "chat_template_kwargs") -> dict:
+    """Extra template variables (e.g. enable_thinking, date_string) from a caller: a dict with
+    string keys, none of them in RESERVED_TEMPLATE_KWARGS. Special-token names (bos_token, ...)
+    are allowed and override the tokenizer's, as in transformers. Raises ChatTemplateError
+    naming `name` and the key."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ChatTemplateError(f"{name} must be a dict of template variable names to values, got {type(kwargs).__name__}")
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise ChatTemplateError(f"{name}: keys must be strings, got {key!r}")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ChatTemplateError(f"{name}.{key}: may not be set here: {RESERVED_TEMPLATE_KWARGS[key]}")
+    return dict(kwargs)
 
 
 def render_chat_template(
@@ -238,21 +344,27 @@ def render_chat_template(
     """Render `messages` like transformers' apply_chat_template(tokenize=False).
 
     `special_tokens` (bos_token, eos_token, ...) become template variables; None values are left
-    undefined so `{{ bos_token }}` renders "" rather than "None", as in transformers. A render
-    past `max_seconds`, or text past `max_chars`, raises ChatTemplateLimitError.
+    undefined so `{{ bos_token }}` renders "" rather than "None", as in transformers. Other
+    keyword arguments (enable_thinking, date_string, ...) are template variables too and win over
+    a special token of the same name, as in transformers. Messages reach the template as there:
+    None-valued keys dropped, reasoning aliased (_template_message). A render past `max_seconds`,
+    or text past `max_chars`, raises ChatTemplateLimitError.
     """
     if template is None:
         raise ChatTemplateError(
             "this model has no chat template (none in its GGUF metadata, chat_template.jinja or "
             "tokenizer_config.json); pass a template explicitly or use a plain completion prompt"
         )
+    if _LOOP_HELPER in kwargs:
+        raise ChatTemplateError(f"{_LOOP_HELPER!r} is a name quill reserves; it cannot be a template variable")
     compiled = compile_chat_template(template)
     variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     variables.update(kwargs)
+    variables = _plain(variables)
     variables.update(
         messages=_check_messages(messages),
-        tools=tools,
-        documents=documents,
+        tools=_plain(tools),
+        documents=_plain(documents),
         add_generation_prompt=bool(add_generation_prompt),
     )
     token = _BUDGET.set(_RenderBudget(max_seconds, max_chars))
