@@ -21,6 +21,10 @@ _END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<e
 # An unpaired UTF-16 surrogate (JSON "\ud800" decodes to one): not Unicode text, no encoding takes it.
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
+# The split regexes, one per llama.cpp pre-tokenizer. Facts from llama.cpp's src/llama-vocab.cpp
+# (llm_tokenizer_bpe: regex_exprs per LLAMA_VOCAB_PRE_TYPE_*; where llama.cpp rewrites a regex for its own
+# engine, its comment keeps the original tokenizer.json regex, and that original is the one used here,
+# since the `tokenizers` library runs it as the model's tokenizer.json does).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -29,6 +33,18 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's Tekken (Nemo, Small 3): case-aware words, single digits, "/" kept after punctuation.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# o200k ("gpt-4o"; Phi-4-mini): Tekken's words with the contractions attached, digits in threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
@@ -43,17 +59,28 @@ class _BytePreTokenizer:
     add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
 
 
+# tokenizer.ggml.pre -> pre-tokenizer. Which names share a regex, and the ignore_merges / add_bos
+# defaults, follow llama.cpp's src/llama-vocab.cpp (llama_vocab::impl::load); which name each family's
+# GGUF carries follows convert_hf_to_gguf.py's get_vocab_base_pre (tokenizer hash -> name) and its
+# _set_vocab_mistral ("tekken"):
+#   Llama 3.x -> "llama-bpe"; Qwen2/2.5 -> "qwen2"; DeepSeek-R1-Distill-Qwen -> "deepseek-r1-qwen";
+#   Mistral Nemo / Small 3 -> "tekken"; Phi-4-mini -> "gpt-4o"; Granite 3.x -> "refact";
+#   SmolLM3 -> "smaug-bpe" (a Llama 3 vocabulary that adds no BOS; seen in llama.cpp PR 14581's log);
+#   OLMo 2 -> "dbrx" (inferred: a cl100k vocabulary like DBRX's; the hash list names no OLMo 2);
+#   SmolLM/SmolLM2 -> "smollm".
 _BYTE_LEVEL_PRE = {
-    "default": _BytePreTokenizer(_GPT2_SPLIT),
-    "gpt2": _BytePreTokenizer(_GPT2_SPLIT),
-    "smollm": _BytePreTokenizer(_GPT2_SPLIT, individual_digits=True),
-    "starcoder": _BytePreTokenizer(_GPT2_SPLIT, individual_digits=True),
+    **{name: _BytePreTokenizer(_GPT2_SPLIT) for name in ("default", "gpt2", "gpt-2", "olmo")},
+    **{name: _BytePreTokenizer(_GPT2_SPLIT, individual_digits=True) for name in ("smollm", "starcoder", "refact")},
     **{
         name: _BytePreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
         for name in ("llama-bpe", "llama3", "llama-v3")
     },
+    # llama.cpp gives DBRX and Smaug Llama 3's regex but neither ignore_merges nor a default BOS.
+    **{name: _BytePreTokenizer(_LLAMA3_SPLIT) for name in ("dbrx", "smaug-bpe")},
     # llama.cpp treats "deepseek-r1-qwen" (DeepSeek-R1-Distill-Qwen files) exactly as "qwen2" (llama-vocab.cpp)
     **{name: _BytePreTokenizer(_QWEN2_SPLIT, nfc=True) for name in ("qwen2", "deepseek-r1-qwen")},
+    "tekken": _BytePreTokenizer(_TEKKEN_SPLIT, ignore_merges=True, add_bos=True),
+    "gpt-4o": _BytePreTokenizer(_GPT4O_SPLIT),
 }
 
 
@@ -152,6 +179,18 @@ def _gguf_backend(meta: dict, tokens: list[str], types: list[int]) -> tuple[Back
     )
 
 
+def _rstrip_tokens(meta: dict, pairs: list[tuple[str, int]]) -> set[str]:
+    """Added tokens that swallow the whitespace after them: Phi-3's (its tokenizer.json marks them rstrip).
+
+    GGUF has no per-token flag for this; llama.cpp (src/llama-vocab.cpp, the "phi-3"/"phi3" branch on
+    general.name) sets RSTRIP on every control/user-defined token but <unk>, <s> and <|endoftext|>.
+    """
+    name = str(meta.get("general.name") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    return {t for t, k in pairs if k in (_CONTROL, _USER_DEFINED)} - {"<unk>", "<s>", "<|endoftext|>"}
+
+
 def _gguf_special_tokens(meta: dict, tokens: list[str]) -> dict[str, str | None]:
     special = {}
     for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
@@ -242,7 +281,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
-        """Build from GGUF key -> python value (tokenizer.ggml.*, tokenizer.chat_template)."""
+        """Build from GGUF key -> python value (tokenizer.ggml.*, tokenizer.chat_template; general.name if given)."""
         tokens = meta.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens; this file carries no tokenizer")
@@ -250,10 +289,13 @@ class Tokenizer:
         types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)]
         backend, default_add_bos = _gguf_backend(meta, tokens, types)
         pairs = list(zip(tokens, types))
+        rstrip = _rstrip_tokens(meta, pairs)
         # Control tokens (<|im_end|>) are special: matched whole, skipped on decode. User-defined
         # ones (<think>) are matched whole but kept on decode, as llama.cpp and transformers do.
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in pairs if k == _CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in pairs if k == _USER_DEFINED])
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
+                                    for t, k in pairs if k == _CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=t in rstrip)
+                            for t, k in pairs if k == _USER_DEFINED])
         special = _gguf_special_tokens(meta, tokens)
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -268,7 +310,9 @@ class Tokenizer:
         import gguf  # local: only GGUF users pay for the import
 
         reader = gguf.GGUFReader(str(path))
-        meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        # general.name too: llama.cpp keys Phi-3's whitespace-swallowing special tokens on it.
+        meta = {k: f.contents() for k, f in reader.fields.items()
+                if k.startswith("tokenizer.") or k == "general.name"}
         return cls.from_gguf_metadata(meta)
 
     @classmethod
