@@ -6,7 +6,6 @@ import contextvars
 import dataclasses
 import functools
 import json
-import operator
 import time
 from collections.abc import Mapping
 from datetime import datetime

@@ -84,17 +84,37 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template (or `chat_template`) to each conversation, then generate.
+
+        `chat_template_kwargs` are extra template variables, as in vLLM and transformers'
+        apply_chat_template(**kwargs): e.g. {"enable_thinking": False} for Qwen3 / SmolLM3,
+        {"date_string": "26 Jul 2024"} for Llama 3. Names quill sets itself (messages,
+        add_generation_prompt, tools, documents) or that are not template variables
+        (chat_template, tokenize, ...) raise ChatTemplateError instead of being ignored.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = [self._chat_ids(conv, add_generation_prompt) for conv in conversations]
+        template_kwargs = self._template_kwargs(chat_template, chat_template_kwargs)
+        encoded = [self._chat_ids(conv, add_generation_prompt, **template_kwargs) for conv in conversations]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(encoded)
         return self._run(encoded, params_list)
 
-    def _chat_ids(self, conv: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-        return text, self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
+    @staticmethod
+    def _template_kwargs(chat_template: str | None, chat_template_kwargs: dict | None) -> dict:
+        from quill.chat_template import check_template_kwargs
+
+        kwargs = check_template_kwargs(chat_template_kwargs)
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        return kwargs
+
+    def _chat_ids(self, conv: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> tuple[str, list[int]]:
+        text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return text, self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
     def generate_mixed(self, items: list[tuple[str | None, list[dict] | None]],
                        params_list: list[SamplingParams]) -> list[RequestOutput]:
@@ -102,9 +122,11 @@ class LLM:
         encoded = [self._chat_ids(msgs) if msgs is not None else self._to_ids(prompt) for prompt, msgs in items]
         return self._run(encoded, params_list)
 
-    def stream_chat(self, conv: list[dict], params: SamplingParams) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step (delta_text is safe to print)."""
-        text, ids = self._chat_ids(conv)
+    def stream_chat(self, conv: list[dict], params: SamplingParams, *, chat_template: str | None = None,
+                    chat_template_kwargs: dict | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step (delta_text is safe to print); the
+        template options are chat()'s."""
+        text, ids = self._chat_ids(conv, **self._template_kwargs(chat_template, chat_template_kwargs))
         request_id = f"chat-{next(self._ids)}"
         self.engine.add_request(request_id, ids, params, prompt=text)
         done = False

@@ -17,6 +17,7 @@ import datetime as dt
 import pytest
 
 from quill.chat_template import ChatTemplateError, check_template_kwargs, render_chat_template
+from quill.sampling_params import SamplingParams
 from quill.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -812,3 +813,27 @@ def test_template_kwargs_checks():
         check_template_kwargs({1: True})
     with pytest.raises(ChatTemplateError, match="reserves"):  # the loop guard cannot be replaced
         render_chat_template("{% for m in messages %}{{ m.role }}{% endfor %}", [USER], _quill_loop_items=list)
+
+
+# ---- LLM.chat -------------------------------------------------------------------------------------
+
+
+def test_llm_chat_passes_chat_template_kwargs(make_llm):
+    llm = make_llm()
+    params = SamplingParams(temperature=0, max_tokens=2)
+    conversation = [USER]
+    on, off = (llm.chat(conversation, params, chat_template=QWEN3, chat_template_kwargs={"enable_thinking": flag})[0]
+               for flag in (True, False))
+    assert off.prompt == on.prompt + "<think>\n\n</think>\n\n"
+    assert off.prompt_token_ids[:len(on.prompt_token_ids)] == on.prompt_token_ids
+    assert len(off.prompt_token_ids) > len(on.prompt_token_ids)
+    assert off.prompt == Pair(QWEN3, **QWEN_SPECIAL).render(conversation, enable_thinking=False)
+    # the model's own template (SmolLM2's ChatML) has no such variable: the prompt is unchanged
+    plain = llm.chat(conversation, params)[0]
+    assert llm.chat(conversation, params, chat_template_kwargs={"enable_thinking": False})[0].prompt == plain.prompt
+    streamed = list(llm.stream_chat(conversation, params, chat_template=QWEN3, chat_template_kwargs={"enable_thinking": False}))
+    assert streamed[-1].prompt == off.prompt and streamed[-1].finished
+    for bad in ({"add_generation_prompt": False}, {"messages": []}, {"chat_template": QWEN3}):
+        with pytest.raises(ChatTemplateError, match=rf"chat_template_kwargs\.{next(iter(bad))}: may not be set"):
+            llm.chat(conversation, params, chat_template_kwargs=bad)
+    assert not llm.engine.requests

@@ -224,7 +224,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = await run_in_threadpool(handlers.encode_chat, engine, handlers.template_messages(body.messages))
+            ids = await run_in_threadpool(handlers.encode_chat, engine, handlers.template_messages(body.messages),
+                                          handlers.template_kwargs(body))
         else:
             ids = handlers.encode_text(engine, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

@@ -55,12 +55,23 @@ def template_messages(messages) -> list[dict]:
     return out
 
 
-def encode_chat(engine, messages: list[dict]) -> list[int]:
-    """Render and encode (blocking: call it off the event loop, the render may take a while)."""
+def template_kwargs(body) -> dict:
+    """The request's chat_template_kwargs, checked: a 400 naming the key for a reserved name."""
+    from quill.chat_template import ChatTemplateError, check_template_kwargs
+
+    try:
+        return check_template_kwargs(getattr(body, "chat_template_kwargs", None))
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "chat_template_kwargs") from exc
+
+
+def encode_chat(engine, messages: list[dict], kwargs: dict | None = None) -> list[int]:
+    """Render and encode (blocking: call it off the event loop, the render may take a while);
+    `kwargs` are extra template variables (checked by template_kwargs)."""
     from quill.chat_template import ChatTemplateLimitError
 
     try:
-        return list(engine.tokenizer.encode_chat(messages))
+        return list(engine.tokenizer.encode_chat(messages, **kwargs) if kwargs else engine.tokenizer.encode_chat(messages))
     except ChatTemplateLimitError as exc:  # the template ran too long or wrote too much
         raise bad_request(f"messages: {exc}", "messages") from exc
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's
@@ -148,7 +159,7 @@ def engine_error(exc: Exception, names: dict, retry_after: float) -> APIError:
 async def chat_completions(request: Request, body: ChatCompletionRequest, state) -> Response:
     engine = state.require_engine()
     check_model(state, body.model)
-    ids = await run_in_threadpool(encode_chat, engine, template_messages(body.messages))
+    ids = await run_in_threadpool(encode_chat, engine, template_messages(body.messages), template_kwargs(body))
     max_tokens = resolve_max_tokens(body, len(ids), engine.max_model_len, None, "messages")
     params = to_sampling_params(body, max_tokens, engine.tokenizer.vocab_size)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"

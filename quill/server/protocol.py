@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 INT64_MAX = 2**63 - 1
@@ -107,7 +107,26 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(BaseModel):
+    """vLLM's chat_template_kwargs: extra variables for the model's chat template, e.g.
+    {"enable_thinking": false}. Names quill sets itself (messages, add_generation_prompt, tools,
+    documents) and non-variables (chat_template, tokenize, ...) are refused with a 400 by the
+    handler (quill.chat_template.check_template_kwargs), not silently ignored or let through."""
+
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs_object(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, dict):
+            raise PydanticCustomError(
+                "chat_template_kwargs_type",
+                "must be a JSON object mapping chat template variable names to values (e.g. enable_thinking)",
+            )
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
@@ -129,7 +148,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Request, _ChatTemplateFields):
     """POST /tokenize: either `prompt` or `messages` (vLLM shape)."""
 
     model: str | None = None
