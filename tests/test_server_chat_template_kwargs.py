@@ -83,6 +83,9 @@ def test_tokenize_shows_the_rendered_prompt(live):
     off = rendered(live, chat_template_kwargs={"enable_thinking": False})
     assert on == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n" == rendered(live)
     assert off == on + EMPTY_THINK
+    # /tokenize's own add_generation_prompt field (vLLM's) reaches the template as well
+    assert rendered(live, add_generation_prompt=False, chat_template_kwargs={"enable_thinking": False}) == \
+        "<|im_start|>user\nHello<|im_end|>\n"
 
 
 @pytest.mark.parametrize("value", ["enable_thinking=false", ["enable_thinking"], 0, True])

@@ -224,8 +224,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = await run_in_threadpool(handlers.encode_chat, engine, handlers.template_messages(body.messages),
-                                          handlers.template_kwargs(body))
+            kwargs = handlers.template_kwargs(body)
+            if not body.add_generation_prompt:  # the default (True) is the tokenizer's own default too
+                kwargs["add_generation_prompt"] = False
+            ids = await run_in_threadpool(handlers.encode_chat, engine, handlers.template_messages(body.messages), kwargs)
         else:
             ids = handlers.encode_text(engine, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
