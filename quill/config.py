@@ -15,7 +15,7 @@ class UnsupportedModelError(ValueError):
 class ModelConfig:
     """The shape of a Llama-family decoder; built from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # the family's ArchSpec name (quill.models.archs)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,14 +29,55 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, object], ...] | None = None  # frozen dict items
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
-    sliding_window: int | None = None
-    qk_norm: bool = False  # q_norm / k_norm: RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # a query attends keys less than this many positions back
+    sliding_layers: tuple[bool, ...] | None = None  # which layers have the window; None = all (Mistral, Phi-3)
+    qk_norm: str | None = None  # RMSNorm on q and k before RoPE: "head" (each head: Qwen3, Gemma 3) or "full" (OLMo 2)
+    norm_layout: str = "pre"  # "pre": norm -> branch -> add; "sandwich": norm -> branch -> norm -> add (Gemma); "post": branch -> norm -> add (OLMo 2)
+    norm_offset: float = 0.0  # added to every stored RMSNorm weight (1 for Gemma's (1 + w) in Hugging Face files)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    rope_layers: tuple[bool, ...] | None = None  # which layers rotate q/k; None = all (SmolLM3 has NoPE layers)
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
+    rotary_dim: int = 0  # leading dims of each head that RoPE rotates; 0 = head_dim (Phi-4-mini: 3/4)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     embedding_multiplier: float = 1.0  # Granite's scalars (1 / 0 / 1 / 1: the plain Llama layer)
     attention_multiplier: float = 0.0  # attention score scale; 0 means 1/sqrt(head_dim)
     residual_multiplier: float = 1.0  # each residual branch is scaled by it
     logits_scaling: float = 1.0  # logits are divided by it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        choices = {"qk_norm": (None, "head", "full"), "norm_layout": ("pre", "sandwich", "post"),
+                   "hidden_act": ("silu", "gelu_tanh")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise UnsupportedModelError(f"{name} {getattr(self, name)!r} is not one quill implements ({allowed})")
+        for name in ("sliding_layers", "rope_layers"):
+            flags = getattr(self, name)
+            if flags is not None and len(flags) != self.num_layers:
+                raise UnsupportedModelError(f"{name} lists {len(flags)} layers; the model has {self.num_layers}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UnsupportedModelError(f"sliding_window must be a positive number of positions; got {self.sliding_window}")
+        if self.rotary_dim and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            raise UnsupportedModelError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer (positions a query may look back, itself included), or None."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, layer: int) -> tuple[float, tuple | None] | None:
+        """(base, scaling items) of one layer's RoPE, or None for a layer without it (NoPE)."""
+        if self.rope_layers is not None and not self.rope_layers[layer]:
+            return None
+        if self.rope_local_theta is not None and self.layer_window(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def rotary_width(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def attention_scale(self) -> float:
@@ -70,25 +111,15 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs[0]!r}; quill runs {', '.join(sorted(HF_ARCHITECTURES))}"
             )
-        arch = spec.name
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_scaling = config.get("rope_scaling") or config.get("rope_parameters")
-        if rope_scaling:
-            rope_scaling = dict(rope_scaling)
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if rope_type in (None, "default"):
-                rope_scaling = None
-            elif rope_type != "llama3":
-                raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}; quill supports 'llama3'")
-        rope_theta = config.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope = hf_rope(config, head_dim)
         sliding = config.get("sliding_window") if config.get("use_sliding_window", spec.sliding_window_by_default) else None
-        return cls(
-            architecture=arch,
+        act = config.get("hidden_activation") or config.get("hidden_act") or spec.hidden_act
+        fields = dict(
+            architecture=spec.name,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -98,20 +129,70 @@ class ModelConfig:
             head_dim=head_dim,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             rms_norm_eps=config.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta),
-            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", spec.qkv_bias)),
             sliding_window=sliding,
             qk_norm=spec.qk_norm,
+            norm_layout=spec.norm_layout,
+            norm_offset=spec.hf_norm_offset,
+            hidden_act=HF_ACTIVATIONS.get(act, act),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
             **{s.field: float(config.get(s.hf_key) or s.default) for s in spec.scalars},
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **rope,
         )
+        if spec.hf_config is not None:
+            fields.update(spec.hf_config(config, fields))
+        return cls(**fields)
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
         return cls.from_hf_config(json.loads(Path(path).read_text()))
+
+
+# config.json activation names -> ModelConfig.hidden_act
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+ROPE_SCALING_TYPES = ("llama3", "linear", "longrope")  # besides none ("default")
+
+
+def hf_rope(config: dict, head_dim: int) -> dict:
+    """ModelConfig's RoPE fields from config.json, in either layout transformers writes: the older
+    rope_theta + rope_scaling (+ partial_rotary_factor, + Gemma 3's rope_local_base_freq) or
+    rope_parameters, flat or keyed by layer type ("full_attention" / "sliding_attention")."""
+    params = config.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention")
+        params = params.get("full_attention") or local or {}
+    scaling = dict(config.get("rope_scaling") or params)
+    theta = params.get("rope_theta", config.get("rope_theta"))
+    theta = 10000.0 if theta is None else float(theta)
+    partial = scaling.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor") or 1.0
+    for key in ("rope_theta",):
+        scaling.pop(key, None)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        scaling = None
+    elif kind not in ROPE_SCALING_TYPES:
+        raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r}; quill applies {', '.join(ROPE_SCALING_TYPES)}")
+    else:
+        scaling["rope_type"] = kind
+        if kind == "longrope":
+            scaling.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+            scaling.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"unsupported RoPE scaling {local.get('rope_type')!r} on sliding-window layers")
+    local_theta = local.get("rope_theta") if local is not None else config.get("rope_local_base_freq")
+    rotary = int(head_dim * float(partial))
+    return dict(rope_theta=theta, rope_scaling=freeze(scaling) if scaling else None,
+                rope_local_theta=None if local_theta is None else float(local_theta),
+                rotary_dim=0 if rotary == head_dim else rotary)
+
+
+def freeze(d: dict) -> tuple:
+    """A dict as sorted items, lists as tuples: hashable for the frozen config."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
 
 
 KV_CACHE_DTYPE_NAMES = ("fp32", "fp16")

@@ -19,14 +19,20 @@ from tiny_models import make_hf_model
 
 pytest.importorskip("transformers")
 
-KINDS = ["llama-gqa", "llama3-tied", "qwen2", "qwen3", "granite", "mistral"]
+KINDS = ["llama-gqa", "llama3-tied", "qwen2", "qwen3", "granite", "mistral", "mistral-nemo", "gemma3", "olmo2",
+         "smollm3", "phi3"]
 
 
-def build_quill(hf_model, block_size=4, num_blocks=64, kv_dtype=torch.float32, model=None):
+# Served context per kind where it matters: LongRoPE takes its short factors for a context within
+# original_max_position_embeddings (64 for the tiny phi3), as transformers does for a short sequence.
+CONTEXT_LEN = {"phi3": 64}
+
+
+def build_quill(hf_model, block_size=4, num_blocks=64, kv_dtype=torch.float32, model=None, context_len=None):
     cfg = ModelConfig.from_hf_config(hf_model.config.to_dict())
     if model is None:
         state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-        model = LlamaForCausalLM(cfg, lambda name: state[name])
+        model = LlamaForCausalLM(cfg, lambda name: state[name], context_len=context_len)
     kv = KVCache(cfg, num_blocks, block_size, kv_dtype)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     return cfg, ModelRunner(model, cfg, kv, sampler=None), bm
@@ -62,12 +68,12 @@ def assert_prefill_and_8_decodes_match(hf, runner, bm, prompt: list[int]) -> Non
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_and_decode_match_transformers(kind, fused):
     hf = make_hf_model(kind)
-    cfg, runner, bm = build_quill(hf)
+    cfg, runner, bm = build_quill(hf, context_len=CONTEXT_LEN.get(kind))
     if fused:
         assert runner.fused is not None or native.load() is None
     else:
         runner.fused = None
-    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3", "granite"))
+    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3", "granite", "gemma3", "smollm3"))
     torch.manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()  # crosses several 4-token blocks
     assert_prefill_and_8_decodes_match(hf, runner, bm, prompt)
@@ -78,7 +84,7 @@ def test_fp16_kv_cache_fused_decode_matches_torch_and_stays_near_fp32(kind):
     """With an fp16 cache the fused C decode reads the same rounded K/V as the torch path (they
     agree to fp32 noise), and both stay within fp16's rounding of transformers' fp32 logits."""
     hf = make_hf_model(kind)
-    cfg, fused, bm_f = build_quill(hf, kv_dtype=torch.float16)
+    cfg, fused, bm_f = build_quill(hf, kv_dtype=torch.float16, context_len=CONTEXT_LEN.get(kind))
     _, plain, bm_t = build_quill(hf, kv_dtype=torch.float16, model=fused.model)
     assert fused.fused is not None or native.load() is None
     plain.fused = None
@@ -220,10 +226,16 @@ def test_hf_folder_quantize_int8_close_to_fp32(tmp_path):
     assert ((b - a).norm() / a.norm()).item() < 0.05
 
 
-GGUF_KINDS = {"llama-gqa": "llama", "llama3-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "granite"}
+GGUF_KINDS = {"llama-gqa": "llama", "llama3-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "granite",
+              "mistral-nemo": "llama", "gemma3": "gemma3", "olmo2": "olmo2", "smollm3": "smollm3", "phi3": "phi3"}
 
 
-def gguf_model(hf, path, arch: str, **kw):
+LAYOUT_FIELDS = ("num_layers", "head_dim", "sliding_window", "sliding_layers", "rope_layers", "rope_theta",
+                 "rope_local_theta", "rotary_dim", "qk_norm", "norm_layout", "hidden_act", "embedding_multiplier",
+                 "attention_multiplier", "attention_bias", "tie_word_embeddings")
+
+
+def gguf_model(hf, path, arch: str, context_len=None, **kw):
     """hf written as llama.cpp's converter writes `arch`, then loaded through quill's GGUF loader."""
     import collections
 
@@ -233,7 +245,8 @@ def gguf_model(hf, path, arch: str, **kw):
 
     write_llama_gguf(hf, path, arch=arch, **kw)
     gf = GGUFModelFile(path)
-    return LlamaForCausalLM(gf.model_config(), PackedGGUFWeights(gf, "cpu", collections.Counter()))
+    return LlamaForCausalLM(gf.model_config(), PackedGGUFWeights(gf, "cpu", collections.Counter()),
+                            context_len=context_len)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
@@ -243,11 +256,14 @@ def test_gguf_file_matches_transformers(tmp_path, kind, fused):
     permuted, llama3 scaling as rope_freqs.weight; qwen3: attn_q_norm / attn_k_norm) loads and
     agrees with transformers: prefill and 8 decode steps, on the fused and the torch decode path."""
     hf = make_hf_model(kind)
-    model = gguf_model(hf, tmp_path / f"{kind}.gguf", GGUF_KINDS[kind])
+    model = gguf_model(hf, tmp_path / f"{kind}.gguf", GGUF_KINDS[kind], context_len=CONTEXT_LEN.get(kind))
     cfg = model.config
     if kind == "llama3-tied":
         assert cfg.rope_scaling_dict["rope_type"] == "freq_factors" and len(cfg.rope_scaling_dict["factors"]) == cfg.head_dim // 2
-    assert cfg.qk_norm == (kind == "qwen3")
+    assert cfg.qk_norm == {"qwen3": "head", "gemma3": "head", "olmo2": "full"}.get(kind)
+    from_hf = ModelConfig.from_hf_config(hf.config.to_dict())
+    for field in LAYOUT_FIELDS:  # the layer recipe read from GGUF keys (or llama.cpp's rules) = config.json's
+        assert getattr(cfg, field) == pytest.approx(getattr(from_hf, field)), field
     _, runner, bm = build_quill(hf, model=model)
     if fused:
         assert runner.fused is not None or native.load() is None
@@ -285,9 +301,10 @@ def test_fused_path_refuses_a_recipe_it_does_not_implement(caplog):
     assert refusal(model) is None and runner.fused is not None
     good = model.config
     cases = {
-        "architecture 'gemma3'": dataclasses.replace(good, architecture="gemma3"),
-        "sliding-window attention (8 positions)": dataclasses.replace(good, sliding_window=8),
-        "q/k norms [True, True] do not match the config (qk_norm=False)": dataclasses.replace(good, qk_norm=False),
+        "architecture 'gemma2'": dataclasses.replace(good, architecture="gemma2"),
+        "layer 0's sliding window None is not the config's 8": dataclasses.replace(good, sliding_window=8),
+        "q/k norms [True, True] (head) do not match the config (qk_norm=None)": dataclasses.replace(good, qk_norm=None),
+        "layer 0's RoPE (RotaryEmbedding) is not the config's (None": dataclasses.replace(good, rope_layers=(False, True)),
     }
     for reason, cfg in cases.items():
         model.config = cfg
@@ -302,3 +319,53 @@ def test_fused_path_refuses_a_recipe_it_does_not_implement(caplog):
 
     model.layers[0].__class__ = Sandwich
     assert "layer 0 is built from Sandwich" in refusal(model)
+    model.layers[0].__class__ = Sandwich.__bases__[0]
+    model.layers[1].mlp.act_name = "relu"  # an activation the kernel has no code for
+    assert "layer 1's activation 'relu' is not one it implements" in refusal(model)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "torch-decode"])
+def test_window_layers_ignore_positions_outside_the_window(fused):
+    """Gemma 3's layout (5 window layers, then a global one), context 40 > window 16: after the
+    prefill, the K/V of the positions that fell out of the window are overwritten with noise in the
+    window layers' caches; the next decode step's logits do not move. The same noise on a position
+    inside the window, or on an old position of the global layer, does move them."""
+    from tiny_models import WINDOW
+
+    hf = make_hf_model("gemma3")
+    cfg, runner, bm = build_quill(hf)
+    if fused:
+        assert runner.fused is not None or native.load() is None
+    else:
+        runner.fused = None
+    sliding = [i for i in range(cfg.num_layers) if cfg.layer_window(i)]
+    assert sliding == [0, 1, 2, 3, 4] and cfg.layer_window(5) is None
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    seq = Sequence("w", prompt, SamplingParams())
+    run_chunk(runner, bm, seq, 0, len(prompt))
+    seq.append_token(5, 0.0)
+    assert bm.allocate(seq, 1)
+    slots = torch.tensor([b * 4 + o for b in seq.block_table for o in range(4)])  # position -> slot (block size 4)
+    new_pos = len(prompt)  # the decode's query; it attends positions new_pos - WINDOW + 1 .. new_pos
+    outside = slots[: new_pos - WINDOW + 1]
+    caches = runner.kv_cache.layers
+
+    def decode_with(noise: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        saved = [(i, caches[i][0].clone(), caches[i][1].clone()) for i in range(cfg.num_layers)]
+        for layer, where in noise:
+            for cache in caches[layer]:
+                cache[:, where] = torch.randn(cache[:, where].shape, generator=torch.Generator().manual_seed(layer)) * 50
+        seq.num_computed_tokens = new_pos
+        hidden, _ = runner.forward([ScheduledSeq.plan(seq, new_pos, 1)])
+        for i, k, v in saved:
+            caches[i][0].copy_(k)
+            caches[i][1].copy_(v)
+        return runner.model.compute_logits(hidden)
+
+    clean = decode_with([])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + [5]])).logits[0, -1:]
+    assert (clean - ref).abs().max().item() < 1e-4
+    assert torch.equal(decode_with([(i, outside) for i in sliding]), clean)
+    assert (decode_with([(0, slots[new_pos - WINDOW + 1 : new_pos - WINDOW + 2])]) - clean).abs().max() > 1e-3
+    assert (decode_with([(5, slots[:1])]) - clean).abs().max() > 1e-3

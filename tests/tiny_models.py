@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+WINDOW = 16  # sliding window of the windowed kinds: the parity prompts are longer
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5)
 
 
 def make_hf_model(kind: str):
-    """kind: llama-gqa | llama3-tied | qwen2 | qwen3 | granite | mistral -> transformers model in fp32, eval mode."""
+    """kind: llama-gqa | llama3-tied | qwen2 | qwen3 | granite | mistral | mistral-nemo | gemma3 | olmo2 |
+    smollm3 | phi3 -> transformers model in fp32, eval mode."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -35,6 +37,35 @@ def make_hf_model(kind: str):
     elif kind == "mistral":
         cfg = tf.MistralConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None)
         model = tf.MistralForCausalLM(cfg)
+    elif kind == "mistral-nemo":  # head_dim set apart from hidden / heads, as Mistral Nemo's 128 vs 5120 / 32
+        cfg = tf.MistralConfig(**TINY, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+                               sliding_window=None)
+        model = tf.MistralForCausalLM(cfg)
+    elif kind == "gemma3":  # Gemma 3's layout: 5 sliding-window layers then a global one, two RoPE bases,
+        # linear scaling on the global layers (as the 4B+ models); query_pre_attn_scalar = head_dim as in
+        # every Gemma 3 but the 27B (which llama.cpp's loader special-cases)
+        rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        cfg = tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 6}, num_key_value_heads=2, head_dim=16,
+                                  query_pre_attn_scalar=16, sliding_window=WINDOW, rope_parameters=rope,
+                                  tie_word_embeddings=True, attn_implementation="eager")
+        model = tf.Gemma3ForCausalLM(cfg)
+    elif kind == "olmo2":
+        cfg = tf.Olmo2Config(**TINY, num_key_value_heads=2, tie_word_embeddings=False)
+        model = tf.Olmo2ForCausalLM(cfg)
+    elif kind == "smollm3":  # 4 layers: the 4th has no RoPE
+        cfg = tf.SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, num_key_value_heads=2, tie_word_embeddings=True,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.SmolLM3ForCausalLM(cfg)
+    elif kind == "phi3":  # Phi-4-mini-style: LongRoPE, 3/4 of each head rotated; and a window on every layer
+        rotary_half = 6
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                "long_factor": [1.0 + 0.7 * i for i in range(rotary_half)],
+                "original_max_position_embeddings": 64}
+        cfg = tf.Phi3Config(**TINY, num_key_value_heads=2, tie_word_embeddings=False, rope_parameters=rope,
+                            original_max_position_embeddings=64, sliding_window=WINDOW, pad_token_id=0)
+        model = tf.Phi3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
@@ -52,6 +83,14 @@ _GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Per family, where its converter names a module differently (MODEL_TENSORS in gguf-py's constants).
+_GGUF_LAYER_BY_ARCH = {
+    "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "olmo2": {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+_PERMUTED = ("llama", "granite", "smollm3")  # the converter's LlamaModel and its subclasses
 
 
 def llama_cpp_permute(weights, num_heads: int):
@@ -94,15 +133,20 @@ def llama3_rope_freqs(config):
 
 
 def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True, arch: str = "llama") -> None:
-    """A GGUF of a tiny transformers model, written as llama.cpp's converter would: its tensor names
-    and metadata keys, F32 tensors; for arch "llama" q/k rows permuted and rope_freqs for llama3
-    scaling (qwen2/qwen3 are stored in Hugging Face row order)."""
+    """A GGUF of a tiny transformers model, written as llama.cpp's converter would for `arch`: its
+    tensor names and metadata keys, F32 tensors; q/k rows permuted for the LlamaModel family
+    (llama, granite, smollm3), rope_freqs for llama3 scaling; Gemma 3's norms with the 1 of (1 + w)
+    added and its linear scaling as rope.scaling.*; Phi-3's fused tensors, LongRoPE factor tensors
+    and attention factor."""
+    import math
+
     import gguf
     import numpy as np
 
     cfg = hf_model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = _rope_parameters(cfg)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -110,25 +154,47 @@ def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True, arch: str = "ll
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(float(_rope_parameters(cfg)["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     writer.add_eos_token_id(cfg.vocab_size - 1)
+    if arch == "gemma3":  # rope_parameters by layer type: the base is the global layers'
+        full = rope["full_attention"]
+        writer.add_rope_freq_base(float(full["rope_theta"]))
+        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        writer.add_sliding_window(cfg.sliding_window)
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+    else:
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch == "phi3":  # no key_length; rope dims from the partial factor; LongRoPE as two tensors
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // heads)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    else:
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if arch == "granite":  # the converter's names for the multipliers
         writer.add_embedding_scale(cfg.embedding_multiplier)
         writer.add_attention_scale(cfg.attention_multiplier)
         writer.add_residual_scale(cfg.residual_multiplier)
         writer.add_logit_scale(cfg.logits_scaling)
-    if rope_freqs and _rope_parameters(cfg).get("rope_type") == "llama3":
+    if rope_freqs and rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    names = {**_GGUF_LAYER, **_GGUF_LAYER_BY_ARCH.get(arch, {})}
     for name, tensor in hf_model.state_dict().items():
         if "rotary_emb" in name:
             continue
         array = tensor.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0  # Gemma3RMSNorm scales by (1 + w); the converter stores 1 + w
         if name in _GGUF_GLOBAL:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
@@ -136,11 +202,11 @@ def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True, arch: str = "ll
             continue
         _, _, layer, *rest = name.split(".")
         module, suffix = ".".join(rest[:-1]), rest[-1]
-        if arch in ("llama", "granite") and module == "self_attn.q_proj":
+        if arch in _PERMUTED and module == "self_attn.q_proj":
             array = llama_cpp_permute(array, heads)
-        elif arch in ("llama", "granite") and module == "self_attn.k_proj":
+        elif arch in _PERMUTED and module == "self_attn.k_proj":
             array = llama_cpp_permute(array, kv_heads)
-        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}", np.ascontiguousarray(array))
+        writer.add_tensor(f"blk.{layer}.{names[module]}.{suffix}", np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -39,6 +39,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
+        # the distinct sliding windows of the model's layers: the torch path gets a mask for each
+        self.windows = sorted({w for i in range(model_config.num_layers) if (w := model_config.layer_window(i))})
         self._generators: dict[int, torch.Generator] = {}
         self._block_tables = BlockTableArrays()  # decode rows' tables, kept between steps (fused path)
         self.guided = None  # quill.engine.guided.MaskWorker, set by the engine when constraints are used
@@ -57,13 +59,13 @@ class ModelRunner:
         table = np.asarray(seq.block_table, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _mask(self, q_positions: np.ndarray, ctx: int) -> torch.Tensor:
-        """(q, ctx) bool: causal, and within the sliding window if the model has one."""
+    def _mask(self, q_positions: np.ndarray, ctx: int, window: int | None = None) -> torch.Tensor:
+        """(q, ctx) bool: causal, and within the sliding window if one is given."""
         keys = np.arange(ctx)[None, :]
         q = q_positions[:, None]
         allowed = keys <= q
-        if self.config.sliding_window:
-            allowed &= q - keys < self.config.sliding_window
+        if window:
+            allowed &= q - keys < window
         return torch.from_numpy(allowed).to(self.device)
 
     def prepare(self, scheduled: list[ScheduledSeq]):
@@ -82,9 +84,10 @@ class ModelRunner:
                 decode_ctx.append(self._slots(seq, 0, end))
             else:
                 ctx_slots = torch.from_numpy(self._slots(seq, 0, end)).to(self.device)
-                plain = start == 0 and not (self.config.sliding_window and end > self.config.sliding_window)
-                mask = None if plain else self._mask(np.arange(start, end), end)
-                prefills.append(PrefillSpan(row, n, ctx_slots, mask))
+                q_pos = np.arange(start, end)
+                mask = None if start == 0 else self._mask(q_pos, end)  # None: plain causal
+                windowed = {w: None if start == 0 and end <= w else self._mask(q_pos, end, w) for w in self.windows}
+                prefills.append(PrefillSpan(row, n, ctx_slots, mask, windowed))
             row += n
             if item.samples:
                 sample_rows.append(row - 1)
@@ -100,11 +103,12 @@ class ModelRunner:
         slots, lengths = _pad_slots(ctx)
         keys = np.arange(slots.shape[1])[None, :]
         allowed = keys < lengths[:, None]
-        if self.config.sliding_window:
-            allowed &= q_pos[:, None] - keys < self.config.sliding_window
         meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         meta.decode_slots = torch.from_numpy(slots).to(self.device)
         meta.decode_mask = torch.from_numpy(allowed).to(self.device)[:, None, None, :]
+        for w in self.windows:
+            inside = allowed & (q_pos[:, None] - keys < w)
+            meta.decode_window_masks[w] = torch.from_numpy(inside).to(self.device)[:, None, None, :]
 
     # ---- execution ------------------------------------------------------------------------
     def generator_for(self, seq: Sequence) -> torch.Generator | None:

@@ -25,6 +25,7 @@ class PrefillSpan:
     q_len: int
     ctx_slots: torch.Tensor  # (ctx,) slot index of every position 0..ctx-1
     mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend; None = plain causal (ctx == q_len)
+    window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # the same for each sliding window
 
 
 @dataclass
@@ -36,6 +37,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # (Bd,) long: rows of the flat batch that are decodes
     decode_slots: torch.Tensor | None = None  # (Bd, Lmax) long: cache slots of each decode's context
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) bool, True = attend
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # the same for each sliding window
     gemv_rows: int = 0  # leading rows that are running decodes: linears keep them on the row-invariant kernel
 
 
@@ -52,6 +54,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # the layer's sliding window: its masks come from the metadata
 ) -> torch.Tensor:  # (T, H, hd)
     out = torch.empty_like(q)
     num_heads, num_kv = q.shape[1], k_cache.shape[0]
@@ -60,14 +63,16 @@ def paged_attention(
         qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, hd)
         ks = k_cache[:, span.ctx_slots].to(q.dtype).unsqueeze(0)  # (1, KVH, ctx, hd)
         vs = v_cache[:, span.ctx_slots].to(q.dtype).unsqueeze(0)
+        mask = span.mask if window is None else span.window_masks[window]
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=gqa
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )  # (1, H, q, hd)
         out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
     if meta.decode_rows is not None:
         qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, H, 1, hd)
         kd = k_cache[:, meta.decode_slots].to(q.dtype).transpose(0, 1)  # (Bd, KVH, Lmax, hd)
         vd = v_cache[:, meta.decode_slots].to(q.dtype).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        mask = meta.decode_mask if window is None else meta.decode_window_masks[window]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[meta.decode_rows] = o.squeeze(2)
     return out

@@ -1,7 +1,7 @@
 """Decode rows through one fused C call per layer (quill_decode_layer), reading the paged cache in place.
 
-Per step Python does the embedding lookup, 30 calls and the final norm; everything else
-(RMSNorm, QKV, RoPE, K/V write, attention, O, SwiGLU, residuals) happens in C. The rows come
+Per step Python does the embedding lookup, one call per layer and the final norm; everything else
+(norms, QKV, q/k norm, RoPE, K/V write, attention, O, the gated MLP, residuals) happens in C. The rows come
 as block tables: C finds the new token's slot and each context position's from them, so what a
 step hands over grows with the batch, not with the contexts.
 """
@@ -27,28 +27,36 @@ class QWeight(ctypes.Structure):
 
 
 class LayerWeights(ctypes.Structure):
-    _fields_ = [("norm1", P), ("norm2", P), ("qkv", QWeight), ("o", QWeight), ("gate_up", QWeight),
-                ("down", QWeight), ("k_cache", P), ("v_cache", P), ("q_norm", P), ("k_norm", P)]
+    _fields_ = [("attn_in", P), ("attn_out", P), ("mlp_in", P), ("mlp_out", P), ("qkv", QWeight), ("o", QWeight),
+                ("gate_up", QWeight), ("down", QWeight), ("k_cache", P), ("v_cache", P), ("q_norm", P), ("k_norm", P),
+                ("qk_norm_full", I), ("window", I), ("cos", P), ("sin", P)]
 
 
-# The layer quill_decode_layer computes: pre-norm RMSNorm; fused QKV, with or without bias; per-head
-# q/k RMSNorm where the architecture has it; rotate-half RoPE on every layer from the model's
-# cos/sin tables (any frequency scaling is already in them); full causal attention over the paged
-# cache (scores scaled by the config's attention_scale); O; RMSNorm; SwiGLU; both residuals, each
-# branch times residual_multiplier. The embedding multiplier is applied before the layers and the
-# logits scaling after, by the model. An architecture is listed once its layer is exactly that.
-FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite"})
+# The layer quill_decode_layer computes, described per layer (LayerWeights) and per model (ModelShape):
+# - each branch: an optional RMSNorm in, the branch, an optional RMSNorm out, times the residual
+#   multiplier, added to x (pre-norm, sandwich and post-norm layouts);
+# - attention: fused QKV with or without bias; optional q/k RMSNorm, per head or over the whole
+#   projection; rotate-half RoPE over the first rotary_dim dims from the layer's own cos/sin tables
+#   (any frequency scaling already in them), or none; causal attention over the paged cache, all of
+#   it or the last `window` positions, scores scaled by the config's attention_scale; O;
+# - MLP: fused gate/up, SiLU or tanh GELU, down.
+# The embedding multiplier is applied before the layers, and logit scaling and soft-capping after,
+# by the model. An architecture is listed once each of its layers is exactly that.
+FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite", "gemma3", "olmo2", "smollm3", "phi3"})
+FUSED_QK_NORMS = {None: 0, "head": 0, "full": 1}  # ModelConfig.qk_norm -> LayerWeights.qk_norm_full
+FUSED_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # MLP.act_name -> ModelShape.act
 
 
 def refusal(model) -> str | None:
-    """Why the fused decode layer cannot compute this model's layers exactly, or None."""
+    """Why the fused decode layer cannot compute this model's layers exactly, or None. It reads the
+    recipe from the layers themselves (the torch path's modules) and checks each part against the
+    config and against what quill_decode_layer implements."""
     from quill.models.llama import MLP, Attention, DecoderLayer, RMSNorm
+    from quill.models.rope import RotaryEmbedding
 
     cfg = model.config
     if cfg.architecture not in FUSED_ARCHITECTURES:
         return f"architecture {cfg.architecture!r} is not one it implements ({', '.join(sorted(FUSED_ARCHITECTURES))})"
-    if cfg.sliding_window:
-        return f"sliding-window attention ({cfg.sliding_window} positions) is not implemented in it"
     if cfg.head_dim % 8 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16:
         return (f"head_dim {cfg.head_dim} (needs a multiple of 8) or {cfg.num_heads} heads over {cfg.num_kv_heads} "
                 "KV heads (needs a whole group of at most 16)")
@@ -56,15 +64,26 @@ def refusal(model) -> str | None:
         parts = (type(layer), type(layer.self_attn), type(layer.mlp))
         if parts != (DecoderLayer, Attention, MLP):
             return f"layer {i} is built from {', '.join(t.__name__ for t in parts)}, not the layer it computes"
-        norms = [isinstance(n, RMSNorm) for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
-        if norms != [cfg.qk_norm] * 2:
-            return f"layer {i}'s q/k norms {norms} do not match the config (qk_norm={cfg.qk_norm})"
+        a = layer.self_attn
+        norms = [isinstance(n, RMSNorm) for n in (a.q_norm, a.k_norm)]
+        if norms != [cfg.qk_norm is not None] * 2 or a.qk_norm != cfg.qk_norm or a.qk_norm not in FUSED_QK_NORMS:
+            return f"layer {i}'s q/k norms {norms} ({a.qk_norm}) do not match the config (qk_norm={cfg.qk_norm})"
+        if a.window != cfg.layer_window(i):
+            return f"layer {i}'s sliding window {a.window} is not the config's {cfg.layer_window(i)}"
+        if (a.rope is None) != (cfg.layer_rope(i) is None) or (a.rope is not None and (
+                type(a.rope) is not RotaryEmbedding or a.rope.dim != cfg.rotary_width)):
+            return f"layer {i}'s RoPE ({type(a.rope).__name__}) is not the config's ({cfg.layer_rope(i)}, {cfg.rotary_width} dims)"
+        if layer.mlp.act_name not in FUSED_ACTIVATIONS or layer.mlp.act_name != cfg.hidden_act:
+            return f"layer {i}'s activation {layer.mlp.act_name!r} is not one it implements ({', '.join(FUSED_ACTIVATIONS)})"
+        branch_norms = (layer.attn_in, layer.attn_out, layer.mlp_in, layer.mlp_out)
+        if any(n is not None and type(n) is not RMSNorm for n in branch_norms):
+            return f"layer {i} has a norm other than RMSNorm around a branch"
     return None
 
 
 class ModelShape(ctypes.Structure):
     _fields_ = [("hidden", I), ("heads", I), ("kv_heads", I), ("head_dim", I), ("inter", I), ("eps", F),
-                ("scale", F), ("kv16", I), ("kv_slots", ctypes.c_long), ("cos", P), ("sin", P), ("isa", I),
+                ("scale", F), ("kv16", I), ("kv_slots", ctypes.c_long), ("rotary_dim", I), ("act", I), ("isa", I),
                 ("threads", I), ("residual_scale", F)]
 
 
@@ -112,27 +131,33 @@ class FusedDecoder:
             self.refusal = "a weight type or the KV cache layout has no fused kernel"
         self.available = self.refusal is None
         if self.available:
-            rope = model.rope
             self.shape = ModelShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale,
                                     int(kv_layers[0][0].dtype == torch.float16), kv_layers[0][0].shape[1],
-                                    rope.cos.data_ptr(), rope.sin.data_ptr(), self.options.isa, self.options.threads,
-                                    cfg.residual_multiplier)
+                                    cfg.rotary_width, FUSED_ACTIVATIONS[cfg.hidden_act], self.options.isa,
+                                    self.options.threads, cfg.residual_multiplier)
             self._scratch: dict[str, torch.Tensor] = {}
             self._split = self.lib.quill_attention_split()  # context positions per attention task
 
     def _build_layers(self, model, kv_layers):
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
         layers = []
         for layer, (k, v) in zip(model.layers, kv_layers):
             a, m = layer.self_attn, layer.mlp
             ws = [_qweight(x, self._keep) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
             if any(w is None for w in ws) or not (k.is_contiguous() and k.dtype in (torch.float32, torch.float16)):
                 return None
-            qn, kn = a.q_norm, a.k_norm
-            layers.append(LayerWeights(layer.input_layernorm.weight.data_ptr(),
-                                       layer.post_attention_layernorm.weight.data_ptr(), *ws,
-                                       k.data_ptr(), v.data_ptr(), None if qn is None else qn.weight.data_ptr(),
-                                       None if kn is None else kn.weight.data_ptr()))
+            norms = [ptr(n.weight if n is not None else None)
+                     for n in (layer.attn_in, layer.attn_out, layer.mlp_in, layer.mlp_out)]
+            rope = a.rope
+            layers.append(LayerWeights(*norms, *ws, k.data_ptr(), v.data_ptr(),
+                                       ptr(a.q_norm.weight if a.q_norm is not None else None),
+                                       ptr(a.k_norm.weight if a.k_norm is not None else None),
+                                       FUSED_QK_NORMS[a.qk_norm], a.window or 0,
+                                       ptr(rope.cos if rope is not None else None),
+                                       ptr(rope.sin if rope is not None else None)))
         return layers
 
     def _buf(self, name: str, numel: int) -> torch.Tensor:

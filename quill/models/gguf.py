@@ -40,7 +40,8 @@ _LAYER_TENSORS = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that describe the model rather than hold weights: read into ModelConfig, never loaded as layers.
 ROPE_FREQS = "rope_freqs.weight"  # per-dimension RoPE frequency divisors (llama.cpp's Llama 3.1+ converter)
-_CONFIG_TENSORS = {ROPE_FREQS}
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"  # LongRoPE (Phi-3.5 / Phi-4-mini)
+_CONFIG_TENSORS = {ROPE_FREQS, ROPE_LONG, ROPE_SHORT}
 
 
 class GGUFTensor(NamedTuple):
@@ -57,7 +58,7 @@ def hf_tensor_name(gguf_name: str, spec: ArchSpec | None = None) -> str:
     its family's own layer tensors (Qwen3's attn_q_norm, ...)."""
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, kind, suffix = m.groups()
-        module = _LAYER_TENSORS.get(kind) or (spec.gguf_layer_tensors.get(kind) if spec else None)
+        module = (spec.gguf_layer_tensors.get(kind) if spec else None) or _LAYER_TENSORS.get(kind)
         if module:
             return f"model.layers.{layer}.{module}.{suffix}"
     else:
@@ -132,11 +133,12 @@ class GGUFModelFile:
         return self.metadata.get("general.architecture", "?")
 
     def tokenizer_metadata(self) -> dict[str, Any]:
-        """All tokenizer.* keys: tokenizer.ggml.{model,pre,tokens,merges,token_type,scores,*_id,...}, chat template."""
+        """All tokenizer.* keys: tokenizer.ggml.{model,pre,tokens,merges,token_type,scores,*_id,...}, chat
+        template; and general.name, on which llama.cpp keys Phi-3's whitespace-swallowing special tokens."""
         return {
             name: _field_value(field)
             for name, field in self._reader.fields.items()
-            if name.startswith("tokenizer.")
+            if name.startswith("tokenizer.") or name == "general.name"
         }
 
     @cached_property
@@ -177,22 +179,45 @@ class GGUFModelFile:
             raise UnsupportedModelError(f"GGUF has neither {self.architecture}.vocab_size nor tokenizer.ggml.tokens")
         return int(vocab)
 
+    def _f32_tensor(self, name: str) -> tuple[float, ...] | None:
+        t = next((t for t in self._reader.tensors if t.name == name), None)
+        if t is None:
+            return None
+        if GGMLQuantizationType(t.tensor_type) != GGMLQuantizationType.F32:
+            raise UnsupportedModelError(f"{name} is {GGMLQuantizationType(t.tensor_type).name}; "
+                                        "quill reads it as F32, as llama.cpp writes it")
+        return tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1))
+
     def _rope_scaling(self) -> tuple[tuple[str, object], ...] | None:
-        freqs = next((t for t in self._reader.tensors if t.name == ROPE_FREQS), None)
-        if freqs is not None:
+        factors = self._f32_tensor(ROPE_FREQS)
+        if factors is not None:
             # llama.cpp's converter writes Llama 3.1+ "llama3" scaling as one divisor per rotary
             # frequency (1 for short wavelengths, the factor for long ones, smooth in between), and
             # llama.cpp divides each frequency by it: the same inv_freq as transformers' llama3 rule.
-            if GGMLQuantizationType(freqs.tensor_type) != GGMLQuantizationType.F32:
-                raise UnsupportedModelError(f"{ROPE_FREQS} is {GGMLQuantizationType(freqs.tensor_type).name}; "
-                                            "quill reads it as F32, as llama.cpp writes it")
-            factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1))
             return (("factors", factors), ("rope_type", "freq_factors"))
+        long, short = self._f32_tensor(ROPE_LONG), self._f32_tensor(ROPE_SHORT)
+        if long is not None or short is not None:
+            if long is None or short is None:
+                raise UnsupportedModelError(f"GGUF has only one of {ROPE_LONG} and {ROPE_SHORT}; LongRoPE needs both")
+            # Phi-3.5 / Phi-4-mini: llama.cpp picks the long factors when its context is longer than
+            # rope.scaling.original_context_length, and multiplies cos/sin by rope.scaling.attn_factor.
+            original = self._arch_key("rope.scaling.original_context_length", None)
+            if original is None:
+                raise UnsupportedModelError("GGUF LongRoPE factors without rope.scaling.original_context_length")
+            scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                       "original_max_position_embeddings": int(original),
+                       "max_position_embeddings": int(self._arch_key("context_length", original))}
+            attn = self._arch_key("rope.scaling.attn_factor", None)
+            if attn is not None:
+                scaling["attention_factor"] = float(attn)
+            return tuple(sorted(scaling.items()))
         scaling_type = self._arch_key("rope.scaling.type", None)
         if scaling_type in (None, "none"):
             return None
-        # ModelConfig.from_hf_config accepts only llama3 scaling, which GGUF cannot express in metadata.
-        raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+        if scaling_type == "linear":
+            return (("factor", float(self._arch_key("rope.scaling.factor"))), ("rope_type", "linear"))
+        raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling_type!r}; quill applies none, "
+                                    f"linear, Llama 3's {ROPE_FREQS} and LongRoPE's {ROPE_LONG} / {ROPE_SHORT}")
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -208,9 +233,10 @@ class GGUFModelFile:
         spec = self.spec
         hidden = int(self._arch_key("embedding_length"))
         num_heads = int(self._arch_key("attention.head_count"))
-        head_dim = self._arch_key("attention.key_length", None) or self._arch_key("rope.dimension_count", None)
+        head_dim = int(self._arch_key("attention.key_length", None) or hidden // num_heads)
+        rotary = int(self._arch_key("rope.dimension_count", head_dim))
         tensor_names = {t.name for t in self._reader.tensors}
-        return ModelConfig(
+        fields = dict(
             architecture=spec.name,
             vocab_size=self._vocab_size(),
             hidden_size=hidden,
@@ -218,18 +244,26 @@ class GGUFModelFile:
             num_layers=int(self._arch_key("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(self._arch_key("attention.head_count_kv", num_heads)),
-            head_dim=int(head_dim or hidden // num_heads),
+            head_dim=head_dim,
             max_position_embeddings=int(self._arch_key("context_length", 2048)),
             rms_norm_eps=float(self._arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
             rope_scaling=self._rope_scaling(),
+            rotary_dim=0 if rotary == head_dim else rotary,
             tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
+            sliding_window=self._arch_key("attention.sliding_window", None),
             qk_norm=spec.qk_norm,
+            norm_layout=spec.norm_layout,
+            hidden_act=spec.hidden_act,
+            final_logit_softcapping=self._arch_key("final_logit_softcapping", None),
             **{s.field: float(self._arch_key(s.gguf_key, s.default)) for s in spec.scalars},
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=self._eos_token_ids(),
         )
+        if spec.gguf_config is not None:
+            fields.update(spec.gguf_config(self._arch_key, fields))
+        return ModelConfig(**fields)
 
     def check_tensor_types(self) -> None:
         """Raise UnsupportedModelError naming the first tensor whose type quill cannot dequantize."""

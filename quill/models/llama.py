@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The decoder every supported family composes (quill.models.archs), over a paged KV cache.
 
 The model sees only flat token tensors and AttentionMetadata; it never sees a Sequence.
 Weights arrive already fused (qkv_proj, gate_up_proj) through a `make_linear` factory so a
@@ -58,75 +58,104 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with fused QKV and RoPE."""
+    """Grouped-query self-attention with fused QKV: optional q/k RMSNorm (per head or over the whole
+    projection), RoPE or none (NoPE layers), full or sliding-window."""
 
-    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o_proj: nn.Module, rope: RotaryEmbedding,
-                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
+    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o_proj: nn.Module, rope: RotaryEmbedding | None,
+                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None, window: int | None = None):
         super().__init__()
         self.qkv_proj, self.o_proj, self.rope = qkv, o_proj, rope
-        self.q_norm, self.k_norm = q_norm, k_norm  # per-head RMSNorm before RoPE (Qwen3), or None
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.qk_norm = cfg.qk_norm if q_norm is not None else None  # "head" | "full" | None
+        self.window = window  # a query attends keys less than this many positions back; None = all
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.attention_scale  # 1/sqrt(head_dim), or the family's own (Granite)
+        self.scale = cfg.attention_scale  # 1/sqrt(head_dim), or the family's own (Granite, Gemma)
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata):  # x (T, H)
         T = x.shape[0]
         qkv = self.qkv_proj(x, meta.gemv_rows)  # (T, q + 2 kv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm == "full":  # over the whole projection, before the heads are split (OLMo 2)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope.apply(q, k, positions)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # over each head (Qwen3, Gemma 3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            q, k = self.rope.apply(q, k, positions)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, H, hd)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)  # (T, H, hd)
         return self.o_proj(o.reshape(T, self.q_size), meta.gemv_rows)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate) * up) with fused gate_up."""
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module):
+
+class MLP(nn.Module):
+    """Gated MLP with fused gate_up: down(act(gate) * up); act is SiLU (SwiGLU) or tanh GELU (GeGLU)."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module, act: str = "silu"):
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up, down
+        self.act_name, self.act = act, ACTIVATIONS[act]
 
     def forward(self, x, gemv_rows: int = 0):  # (T, H)
         gate, up = self.gate_up_proj(x, gemv_rows).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, gemv_rows)
+        return self.down_proj(self.act(gate) * up, gemv_rows)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP with residuals."""
+    """Attention and MLP branches, each: [norm in] -> branch -> [norm out] -> times the residual
+    multiplier -> added to x. Which norms exist is the family's layout (ModelConfig.norm_layout):
+    pre (in only: Llama), sandwich (both: Gemma), post (out only: OLMo 2)."""
 
-    def __init__(self, attn: Attention, mlp: MLP, in_norm: RMSNorm, post_norm: RMSNorm, residual_multiplier: float = 1.0):
+    def __init__(self, attn: Attention, mlp: MLP, norms: dict[str, "RMSNorm"], residual_multiplier: float = 1.0):
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
-        self.input_layernorm, self.post_attention_layernorm = in_norm, post_norm
+        self.attn_in, self.attn_out = norms.get("attn_in"), norms.get("attn_out")
+        self.mlp_in, self.mlp_out = norms.get("mlp_in"), norms.get("mlp_out")
         self.residual_multiplier = residual_multiplier  # each branch scaled before it is added (Granite)
 
     def forward(self, x, positions, kv_cache, meta):
+        a = self.self_attn(x if self.attn_in is None else self.attn_in(x), positions, kv_cache, meta)
+        x = x + self._out(a, self.attn_out)
+        m = self.mlp(x if self.mlp_in is None else self.mlp_in(x), meta.gemv_rows)
+        return x + self._out(m, self.mlp_out)
+
+    def _out(self, branch, norm):
+        if norm is not None:
+            branch = norm(branch)
         r = self.residual_multiplier
-        attn = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        x = x + (attn if r == 1.0 else attn * r)
-        mlp = self.mlp(self.post_attention_layernorm(x), meta.gemv_rows)
-        return x + (mlp if r == 1.0 else mlp * r)
+        return branch if r == 1.0 else branch * r
 
 
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head."""
 
     def __init__(self, cfg: ModelConfig, weights, device: str | torch.device = "cpu",
-                 progress: Callable[[int], None] | None = None):
-        """weights: DenseWeights, or any source with tensor/linear/embedding/tied_head (packed GGUF)."""
+                 progress: Callable[[int], None] | None = None, context_len: int | None = None):
+        """weights: DenseWeights, or any source with tensor/linear/embedding/tied_head (packed GGUF).
+        context_len: the longest context this model will serve (default the model's own): it sizes
+        the RoPE tables and picks LongRoPE's factors."""
         super().__init__()
+        from quill.models.archs import for_hf
+
         self.config = cfg
+        self.spec = for_hf(cfg.architecture)
         if callable(weights):
             weights = DenseWeights(weights)
-        max_pos = max(cfg.max_position_embeddings, 1)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling_dict, device)
+        max_pos = max(min(context_len or cfg.max_position_embeddings, cfg.max_position_embeddings), 1)
+        self.ropes: dict[tuple, RotaryEmbedding] = {}  # one table per distinct (base, scaling)
+        for i in range(cfg.num_layers):
+            key = cfg.layer_rope(i)
+            if key is not None and key not in self.ropes:
+                theta, scaling = key
+                self.ropes[key] = RotaryEmbedding(cfg.head_dim, max_pos, theta, dict(scaling) if scaling else None,
+                                                  device, cfg.rotary_dim)
         self.embed_tokens = weights.embedding("model.embed_tokens.weight")
         layers = []
         for i in range(cfg.num_layers):
@@ -134,31 +163,33 @@ class LlamaForCausalLM(nn.Module):
             if progress:
                 progress(i)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(weights.tensor("model.norm.weight"), cfg.rms_norm_eps)
+        self.norm = self._norm(weights, "model.norm.weight")
         if cfg.tie_word_embeddings:
             self.lm_head = weights.tied_head(self.embed_tokens)
         else:
             self.lm_head = weights.linear(["lm_head"], False)
 
+    def _norm(self, weights, name: str) -> RMSNorm:
+        w = weights.tensor(name).float()
+        return RMSNorm(w + self.config.norm_offset if self.config.norm_offset else w, self.config.rms_norm_eps)
+
     def _build_layer(self, cfg: ModelConfig, i: int, weights) -> DecoderLayer:
         p = f"model.layers.{i}."
+        rope = cfg.layer_rope(i)
+        qk_norms = ((self._norm(weights, p + "self_attn.q_norm.weight"), self._norm(weights, p + "self_attn.k_norm.weight"))
+                    if cfg.qk_norm else (None, None))
         attn = Attention(
             cfg,
-            weights.linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], cfg.attention_bias),
+            weights.linear(self.spec.qkv_names(p), cfg.attention_bias),
             weights.linear([p + "self_attn.o_proj"], False),
-            self.rope,
-            *((RMSNorm(weights.tensor(p + "self_attn.q_norm.weight"), cfg.rms_norm_eps),
-               RMSNorm(weights.tensor(p + "self_attn.k_norm.weight"), cfg.rms_norm_eps)) if cfg.qk_norm else ()),
+            None if rope is None else self.ropes[rope],
+            *qk_norms,
+            window=cfg.layer_window(i),
         )
-        mlp = MLP(weights.linear([p + "mlp.gate_proj", p + "mlp.up_proj"], False),
-                  weights.linear([p + "mlp.down_proj"], False))
-        return DecoderLayer(
-            attn,
-            mlp,
-            RMSNorm(weights.tensor(p + "input_layernorm.weight"), cfg.rms_norm_eps),
-            RMSNorm(weights.tensor(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps),
-            cfg.residual_multiplier,
-        )
+        mlp = MLP(weights.linear(self.spec.gate_up_names(p), False), weights.linear([p + "mlp.down_proj"], False),
+                  cfg.hidden_act)
+        norms = {role: self._norm(weights, p + name + ".weight") for role, name in self.spec.norm_names.items()}
+        return DecoderLayer(attn, mlp, norms, cfg.residual_multiplier)
 
     def resident_bytes(self) -> int:
         """Bytes of weights held in memory: every distinct tensor counted once (tied heads share)."""
@@ -194,5 +225,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, H) -> (B, V)
         logits = self.lm_head(hidden, hidden.shape[0])  # every row: logits stay batch-invariant
-        s = self.config.logits_scaling
-        return logits if s == 1.0 else logits / s
+        s, cap = self.config.logits_scaling, self.config.final_logit_softcapping
+        if s != 1.0:
+            logits = logits / s
+        return logits if not cap else torch.tanh(logits / cap) * cap

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (Hugging Face rotate-half layout), with Llama 3 frequency scaling."""
+"""Rotary position embeddings (Hugging Face rotate-half layout): plain, partial, and the frequency
+scalings the supported families use (llama3, per-frequency factors, linear, longrope)."""
 
 from __future__ import annotations
 
@@ -23,42 +24,69 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """The rotary frequencies under a model's scaling: "llama3" from its parameters (transformers'
-    config), or "freq_factors", one divisor per frequency (GGUF's rope_freqs tensor)."""
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict, context_len: int) -> tuple[torch.Tensor, float]:
+    """The rotary frequencies under a model's scaling, and the factor on cos/sin:
+    - "llama3" from its parameters (transformers' config);
+    - "freq_factors": one divisor per frequency (GGUF's rope_freqs tensor);
+    - "linear": every frequency divided by `factor` (Gemma 3's global layers);
+    - "longrope" (Phi-3.5 / Phi-4-mini): per-frequency divisors, `long_factor` when the context
+      served is longer than original_max_position_embeddings, else `short_factor` (llama.cpp
+      chooses by its context size the same way), with cos/sin times `attention_factor`, by default
+      sqrt(1 + ln(factor) / ln(original)) where factor = max_position_embeddings / original."""
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "llama3":
-        return llama3_inv_freq(inv_freq, scaling)
-    if kind == "freq_factors":
-        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        return llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind in ("freq_factors", "longrope"):
+        if kind == "longrope":
+            original = int(scaling["original_max_position_embeddings"])
+            factors = scaling["long_factor"] if context_len > original else scaling["short_factor"]
+        else:
+            factors = scaling["factors"]
+        factors = torch.tensor(factors, dtype=torch.float32)
         if factors.shape != inv_freq.shape:
-            raise ValueError(f"rope_freqs has {factors.numel()} factors; this head_dim needs {inv_freq.numel()}")
-        return inv_freq / factors
-    raise ValueError(f"unsupported RoPE scaling {kind!r}; quill applies llama3 and per-frequency factors")
+            raise ValueError(f"RoPE scaling has {factors.numel()} factors; the rotary dims need {inv_freq.numel()}")
+        return inv_freq / factors, longrope_attention_factor(scaling) if kind == "longrope" else 1.0
+    raise ValueError(f"unsupported RoPE scaling {kind!r}; quill applies llama3, linear, longrope and per-frequency factors")
+
+
+def longrope_attention_factor(scaling: dict) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or float(scaling["max_position_embeddings"]) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables (positions, rotary_dim) indexed by absolute position; the first
+    rotary_dim dims of each head rotate (all of them unless the model says fewer), the rest pass."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device="cpu"):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device="cpu",
+                 rotary_dim: int = 0, context_len: int | None = None):
+        dim = rotary_dim or head_dim
+        # (base ** (i / dim)) for even i, as transformers computes it (int64 arange, then float)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        factor = 1.0
         if scaling:
-            inv_freq = scaled_inv_freq(inv_freq, scaling)
+            inv_freq, factor = scaled_inv_freq(inv_freq, scaling, context_len or max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
-        self.half = head_dim // 2
+        freqs = torch.outer(t, inv_freq)  # (P, dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, dim)
+        self.cos = (emb.cos() * factor if factor != 1.0 else emb.cos()).contiguous().to(device)
+        self.sin = (emb.sin() * factor if factor != 1.0 else emb.sin()).contiguous().to(device)
+        self.dim = dim
+        self.half = dim // 2
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q (T, H, hd), k (T, KVH, hd), positions (T,) -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, hd)
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, dim)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin, self.half), _rotate(k, cos, sin, self.half)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = (x, None) if self.dim == x.shape[-1] else (x[..., : self.dim], x[..., self.dim :])
+        x1, x2 = rot[..., : self.half], rot[..., self.half :]
+        out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return out if rest is None else torch.cat((out, rest), dim=-1)

@@ -1,7 +1,12 @@
 /* One decoder layer for B decode rows, fused: the whole layer is one call from Python.
  *
- *   x += o_proj(attention(rope(qk_norm?(qkv(rmsnorm(x))))))   K/V of the new token written first
- *   x += down(silu(gate) * up)(rmsnorm(x))
+ *   x += r * norm_out?(o_proj(attention(rope?(qk_norm?(qkv(norm_in?(x)))))))   K/V of the new token written first
+ *   x += r * norm_out?(down(act(gate) * up)(norm_in?(x)))
+ *
+ * The layer's recipe comes with its weights (LayerWeights): which of the four RMSNorms exist
+ * (pre-norm, sandwich or post-norm layouts), q/k norm per head or over the whole projection,
+ * RoPE tables or none, a sliding window or none; the model's (ModelShape): rotated dims, the
+ * activation (SiLU or tanh GELU), the score scale and the residual multiplier r.
  *
  * Every row is computed with the same sequence of operations whatever B is, so a
  * sequence's output does not depend on what else is in the batch (batch invariance).
@@ -26,10 +31,13 @@ typedef struct {
 } QWeight;
 
 typedef struct {
-    const float *norm1, *norm2;
+    const float *attn_in, *attn_out, *mlp_in, *mlp_out; /* (hidden,) RMSNorm weights around each branch, or NULL */
     QWeight qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* (kv_heads, slots, head_dim), float or fp16 as ModelShape.kv16 says */
-    const float *q_norm, *k_norm; /* (head_dim,) RMSNorm weights over each q / k head before RoPE, or NULL */
+    const float *q_norm, *k_norm; /* RMSNorm weights on q / k before RoPE, or NULL */
+    int qk_norm_full; /* 1: q_norm / k_norm span the whole projection (heads x head_dim); 0: one head */
+    int window;       /* a query attends the last `window` positions (itself included); 0: all */
+    const float *cos, *sin; /* (positions, rotary_dim) RoPE tables of this layer, or NULL (no RoPE) */
 } LayerWeights;
 
 typedef struct {
@@ -37,7 +45,8 @@ typedef struct {
     float eps, scale;
     int kv16; /* the KV cache holds fp16 (else fp32) */
     long kv_slots; /* slots per KV head in the cache */
-    const float *cos, *sin; /* (positions, head_dim) */
+    int rotary_dim; /* leading dims of each head RoPE rotates (rotate-half within them) */
+    int act;        /* 0: SiLU (SwiGLU), 1: tanh GELU (GeGLU) */
     int isa;     /* the caller's choice: 512 = AVX-512 kernels where the CPU has them, 256 = AVX2 */
     int threads; /* the caller's OpenMP team size for every parallel region of a call */
     float residual_scale; /* each residual branch is multiplied by it before the add (1 but for Granite) */
@@ -150,8 +159,8 @@ static void rmsnorm(const float *x, const float *w, float *out, int B, int H, fl
     }
 }
 
-static void rope(float *v, const float *cos, const float *sin, int hd) { /* rotate-half layout */
-    int half = hd / 2;
+static void rope(float *v, const float *cos, const float *sin, int rd) { /* rotate-half within the first rd dims */
+    int half = rd / 2;
     for (int i = 0; i < half; i++) {
         float a = v[i], b = v[i + half];
         v[i] = a * cos[i] - b * sin[i];
@@ -233,6 +242,11 @@ static void split_rows(const int32_t *table, int bs, long l0, long l1, int hd, l
     }
 }
 
+/* The first position a row of context length len attends: len - window under a sliding window. */
+static inline long window_start(const LayerWeights *L, long len) {
+    return L->window > 0 && len > L->window ? len - L->window : 0;
+}
+
 /* One task per (row, KV head, SPLIT positions of its context): the q heads that share the KV
  * head read each K and V vector once (grouped-query attention), and long contexts spread over
  * all threads. Each task keeps its max, exp-sum and unnormalized output; a second pass merges
@@ -250,7 +264,8 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
         for (int b = 0; b < B; b++)
             for (int kvh = 0; kvh < nkv; kvh++)
                 for (int c = 0; c < nsplit; c++) {
-                    const long len = s->ctx_lens[b], l0 = (long)c * SPLIT, l1 = l0 + SPLIT < len ? l0 + SPLIT : len;
+                    const long len = s->ctx_lens[b], first = window_start(L, len);
+                    const long l0 = first + (long)c * SPLIT, l1 = l0 + SPLIT < len ? l0 + SPLIT : len;
                     if (l0 >= len) continue;
                     long rows[SPLIT];
                     split_rows(s->block_tables + (long)b * s->max_blocks, s->block_size, l0, l1, hd, rows);
@@ -266,8 +281,8 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
 #pragma omp for schedule(static) collapse(2)
         for (int b = 0; b < B; b++)
             for (int kvh = 0; kvh < nkv; kvh++) {
-                const long len = s->ctx_lens[b];
-                const int used = (int)((len + SPLIT - 1) / SPLIT);
+                const long len = s->ctx_lens[b], first = window_start(L, len);
+                const int used = (int)((len - first + SPLIT - 1) / SPLIT);
                 const float *p0 = s->partials + ((long)b * nkv + kvh) * nsplit * part;
                 float *out0 = s->attn + (long)b * nh * hd + (long)kvh * group * hd;
                 for (int g = 0; g < group; g++) {
@@ -289,19 +304,48 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
     }
 }
 
+/* x += r * [out_norm](branch): the branch output in tmp, normalized in place when the layer has the norm. */
+static void add_branch(const ModelShape *m, float *x, float *tmp, const float *out_norm, int B) {
+    if (out_norm) rmsnorm(tmp, out_norm, tmp, B, m->hidden, m->eps);
+    add_residual(m, x, tmp, (long)B * m->hidden);
+}
+
+/* gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), with tanh(y) = 1 - 2 / (exp(2y) + 1). */
+#define GELU_K 0.7978845608028654f
+static inline __m256 gelu_tanh8(__m256 g) {
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(GELU_K), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g),
+                                                                             _mm256_mul_ps(g, g), g));
+    const __m256 e = exp8(_mm256_add_ps(y, y));
+    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+}
+
+static inline float gelu_tanh1(float g) {
+    const float y = GELU_K * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.0f + (1.0f - 2.0f / (expf(2.0f * y) + 1.0f)));
+}
+
 void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepArgs *s, float *x) {
     const int B = s->batch, H = m->hidden, hd = m->head_dim, nh = m->heads, nkv = m->kv_heads;
-    const int qkv_n = (nh + 2 * nkv) * hd, I = m->inter;
-    rmsnorm(x, L->norm1, s->h, B, H, m->eps);
-    gemv(m, &L->qkv, s->h, s->sums, s->qkv, B);
+    const int qkv_n = (nh + 2 * nkv) * hd, I = m->inter, rd = m->rotary_dim;
+    const float *in = x;
+    if (L->attn_in) { rmsnorm(x, L->attn_in, s->h, B, H, m->eps); in = s->h; }
+    gemv(m, &L->qkv, in, s->sums, s->qkv, B);
     for (int b = 0; b < B; b++) {
         float *row = s->qkv + (long)b * qkv_n;
-        const float *c = m->cos + s->positions[b] * hd, *sn = m->sin + s->positions[b] * hd;
-        if (L->q_norm) { /* per-head RMSNorm, in place, as the torch path's q_norm / k_norm */
-            rmsnorm(row, L->q_norm, row, nh, hd, m->eps);
-            rmsnorm(row + (long)nh * hd, L->k_norm, row + (long)nh * hd, nkv, hd, m->eps);
+        if (L->q_norm) { /* in place, as the torch path's q_norm / k_norm */
+            if (L->qk_norm_full) {
+                rmsnorm(row, L->q_norm, row, 1, nh * hd, m->eps);
+                rmsnorm(row + (long)nh * hd, L->k_norm, row + (long)nh * hd, 1, nkv * hd, m->eps);
+            } else {
+                rmsnorm(row, L->q_norm, row, nh, hd, m->eps);
+                rmsnorm(row + (long)nh * hd, L->k_norm, row + (long)nh * hd, nkv, hd, m->eps);
+            }
         }
-        for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, c, sn, hd); /* q heads then k heads */
+        if (L->cos) {
+            const float *c = L->cos + s->positions[b] * rd, *sn = L->sin + s->positions[b] * rd;
+            for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, c, sn, rd); /* q heads then k heads */
+        }
         const float *k = row + nh * hd, *v = k + nkv * hd;
         for (int h = 0; h < nkv; h++) {
             const long at = (h * m->kv_slots + slot_of(s, b, s->positions[b])) * hd;
@@ -317,14 +361,22 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
     }
     attention(m, L, s);
     gemv(m, &L->o, s->attn, s->sums, s->tmp, B);
-    add_residual(m, x, s->tmp, (long)B * H);
-    rmsnorm(x, L->norm2, s->h, B, H, m->eps);
-    gemv(m, &L->gate_up, s->h, s->sums, s->gu, B);
+    add_branch(m, x, s->tmp, L->attn_out, B);
+    in = x;
+    if (L->mlp_in) { rmsnorm(x, L->mlp_in, s->h, B, H, m->eps); in = s->h; }
+    gemv(m, &L->gate_up, in, s->sums, s->gu, B);
+    const int gelu = m->act == 1;
 #pragma omp parallel for schedule(static) num_threads(team(m))
     for (int b = 0; b < B; b++) {
         const float *g = s->gu + (long)b * 2 * I, *u = g + I;
         float *a = s->act + (long)b * I;
         int i = 0;
+        if (gelu) {
+            for (; i + 8 <= I; i += 8)
+                _mm256_storeu_ps(a + i, _mm256_mul_ps(gelu_tanh8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+            for (; i < I; i++) a[i] = gelu_tanh1(g[i]) * u[i];
+            continue;
+        }
         for (; i + 8 <= I; i += 8) { /* silu(g) * u = g / (1 + exp(-g)) * u */
             __m256 gv = _mm256_loadu_ps(g + i);
             __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
@@ -333,5 +385,5 @@ void quill_decode_layer(const ModelShape *m, const LayerWeights *L, const StepAr
         for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     gemv(m, &L->down, s->act, s->sums, s->tmp, B);
-    add_residual(m, x, s->tmp, (long)B * H);
+    add_branch(m, x, s->tmp, L->mlp_out, B);
 }

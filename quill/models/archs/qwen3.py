@@ -7,6 +7,6 @@ SPEC = ArchSpec(
     hf_classes=("Qwen3ForCausalLM",),
     gguf_arch="qwen3",
     families="Qwen3",
-    qk_norm=True,
+    qk_norm="head",
     gguf_layer_tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
 )
