@@ -80,6 +80,28 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     @property
+    def window_layers(self) -> int:
+        """How many layers have a sliding window."""
+        return sum(self.layer_window(i) is not None for i in range(self.num_layers))
+
+    def recipe_summary(self) -> str:
+        """The layer recipe in one line, for `quill info` and `quill memory`."""
+        n = self.num_layers
+        parts = [f"{self.norm_layout}-norm RMSNorm", "SwiGLU" if self.hidden_act == "silu" else "GeGLU (tanh GELU)"]
+        if self.qk_norm:
+            parts.append(f"q/k norm ({'per head' if self.qk_norm == 'head' else 'whole projection'})")
+        if self.attention_bias:
+            parts.append("q/k/v bias")
+        rope_on = sum(self.layer_rope(i) is not None for i in range(n))
+        parts.append(f"RoPE on {rope_on}/{n} layers" + (f" ({self.rotary_dim} of {self.head_dim} dims)" if self.rotary_dim else ""))
+        if self.sliding_window:
+            parts.append(f"sliding window {self.sliding_window:,} on {self.window_layers}/{n} layers"
+                         + (f" (local RoPE base {self.rope_local_theta:g})" if self.rope_local_theta else ""))
+        if self.final_logit_softcapping:
+            parts.append(f"logit soft-cap {self.final_logit_softcapping:g}")
+        return ", ".join(parts)
+
+    @property
     def attention_scale(self) -> float:
         return self.attention_multiplier or self.head_dim**-0.5
 
@@ -153,7 +175,7 @@ class ModelConfig:
 
 # config.json activation names -> ModelConfig.hidden_act
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-ROPE_SCALING_TYPES = ("llama3", "linear", "longrope")  # besides none ("default")
+ROPE_SCALING_TYPES = ("llama3", "linear", "longrope", "yarn")  # besides none ("default")
 
 
 def hf_rope(config: dict, head_dim: int) -> dict:
@@ -178,7 +200,7 @@ def hf_rope(config: dict, head_dim: int) -> dict:
         raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r}; quill applies {', '.join(ROPE_SCALING_TYPES)}")
     else:
         scaling["rope_type"] = kind
-        if kind == "longrope":
+        if kind in ("longrope", "yarn"):
             scaling.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings"))
             scaling.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
     if local is not None and local.get("rope_type", "default") != "default":

@@ -115,6 +115,10 @@ def report_lines(fp: ModelFootprint, budget: int, budget_source: str, kv_dtype: 
         f"KV cache    {fmt_bytes(kv_per_token)} per token ({kv_per_token:,} bytes = 2 x {cfg.num_layers} layers x "
         f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim x {KV_DTYPE_BYTES[kv_dtype]} bytes, {kv_dtype_note})",
     ]
+    if cfg.sliding_window:
+        lines.append(f"windows     {cfg.window_layers} of {cfg.num_layers} layers attend only the last "
+                     f"{cfg.sliding_window:,} positions; the paged cache still keeps their whole context "
+                     "(blocks outside a window are not freed), so the figures below count every layer in full")
     if kv_budget < 0:
         lines.append(f"budget      {fmt_bytes(budget)} ({budget_source}): the weights exceed it by "
                      f"{fmt_bytes(-kv_budget)}, no room for a KV cache")

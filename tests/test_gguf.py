@@ -183,8 +183,11 @@ def test_unsupported_architecture_and_rope_scaling(tmp_path):
     write_tiny_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(UnsupportedModelError, match="'gpt2'"):
         GGUFModelFile(tmp_path / "gpt2.gguf").model_config()
+    write_tiny_gguf(tmp_path / "ntk.gguf", "llama", extra={"llama.rope.scaling.type": "ntk-by-parts"})
+    with pytest.raises(UnsupportedModelError, match="'ntk-by-parts'; quill applies none, linear, yarn"):
+        GGUFModelFile(tmp_path / "ntk.gguf").model_config()
     write_tiny_gguf(tmp_path / "yarn.gguf", "llama", extra={"llama.rope.scaling.type": "yarn"})
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    with pytest.raises(UnsupportedModelError, match="lacks required key 'llama.rope.scaling.factor'"):
         GGUFModelFile(tmp_path / "yarn.gguf").model_config()
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
         GGUFModelFile(tmp_path / "missing.gguf")

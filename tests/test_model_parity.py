@@ -19,7 +19,7 @@ from tiny_models import make_hf_model
 
 pytest.importorskip("transformers")
 
-KINDS = ["llama-gqa", "llama3-tied", "qwen2", "qwen3", "granite", "mistral", "mistral-nemo", "gemma3", "olmo2",
+KINDS = ["llama-gqa", "llama3-tied", "qwen2", "qwen3", "qwen3-yarn", "granite", "mistral", "mistral-nemo", "gemma3", "olmo2",
          "smollm3", "phi3"]
 
 
@@ -73,7 +73,7 @@ def test_prefill_and_decode_match_transformers(kind, fused):
         assert runner.fused is not None or native.load() is None
     else:
         runner.fused = None
-    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3", "granite", "gemma3", "smollm3"))
+    assert cfg.tie_word_embeddings == (kind in ("llama3-tied", "qwen3", "qwen3-yarn", "granite", "gemma3", "smollm3"))
     torch.manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()  # crosses several 4-token blocks
     assert_prefill_and_8_decodes_match(hf, runner, bm, prompt)
@@ -226,7 +226,8 @@ def test_hf_folder_quantize_int8_close_to_fp32(tmp_path):
     assert ((b - a).norm() / a.norm()).item() < 0.05
 
 
-GGUF_KINDS = {"llama-gqa": "llama", "llama3-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "granite",
+GGUF_KINDS = {"llama-gqa": "llama", "llama3-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3-yarn": "qwen3",
+              "granite": "granite",
               "mistral-nemo": "llama", "gemma3": "gemma3", "olmo2": "olmo2", "smollm3": "smollm3", "phi3": "phi3"}
 
 
@@ -260,7 +261,7 @@ def test_gguf_file_matches_transformers(tmp_path, kind, fused):
     cfg = model.config
     if kind == "llama3-tied":
         assert cfg.rope_scaling_dict["rope_type"] == "freq_factors" and len(cfg.rope_scaling_dict["factors"]) == cfg.head_dim // 2
-    assert cfg.qk_norm == {"qwen3": "head", "gemma3": "head", "olmo2": "full"}.get(kind)
+    assert cfg.qk_norm == {"qwen3": "head", "qwen3-yarn": "head", "gemma3": "head", "olmo2": "full"}.get(kind)
     from_hf = ModelConfig.from_hf_config(hf.config.to_dict())
     for field in LAYOUT_FIELDS:  # the layer recipe read from GGUF keys (or llama.cpp's rules) = config.json's
         assert getattr(cfg, field) == pytest.approx(getattr(from_hf, field)), field

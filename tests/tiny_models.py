@@ -30,6 +30,10 @@ def make_hf_model(kind: str):
     elif kind == "qwen3":  # q/k RMSNorm per head; head_dim set apart from hidden / heads, as Qwen3 does
         cfg = tf.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, rope_theta=1e6)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "qwen3-yarn":  # long context as Qwen3's model card enables it (factor 4 over the original)
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6}
+        cfg = tf.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rope_parameters=rope)
+        model = tf.Qwen3ForCausalLM(cfg)
     elif kind == "granite":  # the four multipliers, away from 1 so the test sees each one
         cfg = tf.GraniteConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=True, embedding_multiplier=3.0,
                                attention_multiplier=0.09, residual_multiplier=0.5, logits_scaling=2.5)
@@ -168,6 +172,10 @@ def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True, arch: str = "ll
             writer.add_rope_scaling_factor(full["factor"])
     else:
         writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "phi3":  # no key_length; rope dims from the partial factor; LongRoPE as two tensors
         writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // heads)
         writer.add_sliding_window(cfg.sliding_window or 0)

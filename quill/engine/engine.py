@@ -64,11 +64,12 @@ class LLMEngine:
         self.threads = configure_threads(kernel_options.threads if kernel_options else config.threads)
         self.kernel_options = kernel_options or resolve_kernel_options(self.threads)
         with use_kernel_options(self.kernel_options):  # the weights' layout (AMX tiles or not) follows them
-            self.loaded = loaded or load_model(config.model, device=config.device, quantize=config.quantize)
+            self.loaded = loaded or load_model(config.model, device=config.device, quantize=config.quantize,
+                                               context_len=config.max_model_len)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+                                 self.model_config.max_position_embeddings, self.loaded.model.context_len)
         cache = config.cache
         self.kv_cache_dtype = resolve_kv_dtype(cache.kv_cache_dtype, self.loaded.file_format)
         dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]

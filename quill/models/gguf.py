@@ -216,8 +216,15 @@ class GGUFModelFile:
             return None
         if scaling_type == "linear":
             return (("factor", float(self._arch_key("rope.scaling.factor"))), ("rope_type", "linear"))
+        if scaling_type == "yarn":  # Qwen2.5 / Qwen3 long context, as the converter writes it
+            scaling = {"rope_type": "yarn", "factor": float(self._arch_key("rope.scaling.factor")),
+                       "original_max_position_embeddings": int(self._arch_key("rope.scaling.original_context_length"))}
+            for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+                if self._arch_key(key, None) is not None:
+                    scaling[name] = float(self._arch_key(key))
+            return tuple(sorted(scaling.items()))
         raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling_type!r}; quill applies none, "
-                                    f"linear, Llama 3's {ROPE_FREQS} and LongRoPE's {ROPE_LONG} / {ROPE_SHORT}")
+                                    f"linear, yarn, Llama 3's {ROPE_FREQS} and LongRoPE's {ROPE_LONG} / {ROPE_SHORT}")
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")

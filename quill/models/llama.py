@@ -149,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
         if callable(weights):
             weights = DenseWeights(weights)
         max_pos = max(min(context_len or cfg.max_position_embeddings, cfg.max_position_embeddings), 1)
+        self.context_len = max_pos  # positions the RoPE tables cover: the engine serves no longer context
         self.ropes: dict[tuple, RotaryEmbedding] = {}  # one table per distinct (base, scaling)
         for i in range(cfg.num_layers):
             key = cfg.layer_rope(i)

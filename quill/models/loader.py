@@ -54,8 +54,11 @@ def _progress(total: int, desc: str):
     return bar
 
 
-def load_model(model: str | None = None, device: str = "cpu", quantize: str | None = None) -> LoadedModel:
-    """Load weights (with a progress bar) and the tokenizer; raises UnsupportedModelError clearly."""
+def load_model(model: str | None = None, device: str = "cpu", quantize: str | None = None,
+               context_len: int | None = None) -> LoadedModel:
+    """Load weights (with a progress bar) and the tokenizer; raises UnsupportedModelError clearly.
+    context_len: the longest context to serve (default the model's): it sizes the RoPE tables and
+    picks LongRoPE's short or long factors, as llama.cpp's context size does."""
     path = resolve_model_path(model)
     t0 = time.perf_counter()
     if quantize is not None and quantize not in ("int8",):
@@ -64,9 +67,9 @@ def load_model(model: str | None = None, device: str = "cpu", quantize: str | No
         if quantize is not None:
             logger.warning("--quantize %s ignored: %s is already quantized (its blocks are used as they are)",
                            quantize, path.name)
-        loaded = _load_gguf(path, device)
+        loaded = _load_gguf(path, device, context_len)
     elif path.is_dir() and (path / "config.json").exists():
-        loaded = _load_hf_folder(path, device, quantize)
+        loaded = _load_hf_folder(path, device, quantize, context_len)
     else:
         raise UnsupportedModelError(f"{path} is neither a .gguf file nor a folder with config.json")
     loaded.load_ms = (time.perf_counter() - t0) * 1000.0
@@ -127,7 +130,7 @@ class PackedGGUFWeights:
         return DenseLinear(embedding.weight.data)
 
 
-def _load_gguf(path: Path, device: str) -> LoadedModel:
+def _load_gguf(path: Path, device: str, context_len: int | None = None) -> LoadedModel:
     from quill.kernels import native
     from quill.models.gguf import GGUFModelFile
     from quill.models.llama import DenseWeights
@@ -142,13 +145,14 @@ def _load_gguf(path: Path, device: str) -> LoadedModel:
     if device != "cpu" or native.load() is None:  # no kernels for this device: fp32 weights, torch ops
         weights = DenseWeights(weights.tensor)
     bar = _progress(cfg.num_layers, f"loading {path.name}")
-    model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1))
+    model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1),
+                             context_len=context_len)
     bar.close()
     return LoadedModel(cfg, model.to(device), tok, path, model_display_name(path), "gguf", dict(types),
                        file_bytes=path.stat().st_size)
 
 
-def _load_hf_folder(path: Path, device: str, quantize: str | None = None) -> LoadedModel:
+def _load_hf_folder(path: Path, device: str, quantize: str | None = None, context_len: int | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     from quill.models.llama import DenseWeights
@@ -179,7 +183,8 @@ def _load_hf_folder(path: Path, device: str, quantize: str | None = None) -> Loa
         if device != "cpu" or native.load() is None:
             raise ValueError("--quantize int8 needs the CPU kernels (x86-64 with AVX2/FMA and gcc)")
         weights = Int8Weights(weights)
-    model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1))
+    model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1),
+                             context_len=context_len)
     bar.close()
     tok = Tokenizer.from_hf_dir(path)
     size = sum(f.stat().st_size for f in files)

@@ -1,5 +1,5 @@
 """Rotary position embeddings (Hugging Face rotate-half layout): plain, partial, and the frequency
-scalings the supported families use (llama3, per-frequency factors, linear, longrope)."""
+scalings the supported families use (llama3, per-frequency factors, linear, longrope, yarn)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict, context_len: int) -> tuple[torch.Tensor, float]:
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict, context_len: int, theta: float = 10000.0,
+                    dim: int | None = None) -> tuple[torch.Tensor, float]:
     """The rotary frequencies under a model's scaling, and the factor on cos/sin:
     - "llama3" from its parameters (transformers' config);
     - "freq_factors": one divisor per frequency (GGUF's rope_freqs tensor);
@@ -32,8 +33,11 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict, context_len: int) -> 
     - "longrope" (Phi-3.5 / Phi-4-mini): per-frequency divisors, `long_factor` when the context
       served is longer than original_max_position_embeddings, else `short_factor` (llama.cpp
       chooses by its context size the same way), with cos/sin times `attention_factor`, by default
-      sqrt(1 + ln(factor) / ln(original)) where factor = max_position_embeddings / original."""
+      sqrt(1 + ln(factor) / ln(original)) where factor = max_position_embeddings / original;
+    - "yarn" (Qwen2.5 / Qwen3 long context): see yarn_inv_freq."""
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "yarn":
+        return yarn_inv_freq(scaling, theta, dim or 2 * inv_freq.numel())
     if kind == "llama3":
         return llama3_inv_freq(inv_freq, scaling), 1.0
     if kind == "linear":
@@ -48,7 +52,37 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict, context_len: int) -> 
         if factors.shape != inv_freq.shape:
             raise ValueError(f"RoPE scaling has {factors.numel()} factors; the rotary dims need {inv_freq.numel()}")
         return inv_freq / factors, longrope_attention_factor(scaling) if kind == "longrope" else 1.0
-    raise ValueError(f"unsupported RoPE scaling {kind!r}; quill applies llama3, linear, longrope and per-frequency factors")
+    raise ValueError(f"unsupported RoPE scaling {kind!r}; quill applies llama3, linear, longrope, yarn and "
+                     "per-frequency factors")
+
+
+def yarn_inv_freq(scaling: dict, theta: float, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than beta_slow (1) times over the original
+    context are divided by `factor` (interpolated), those that turn more than beta_fast (32) times
+    are kept (extrapolated), with a linear ramp over the dims between; cos/sin are multiplied by
+    0.1 ln(factor) + 1 unless attention_factor is given. Written from the paper's formulas as
+    transformers' _compute_yarn_parameters applies them (correction dims floored / ceiled)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp  # weight of the original (extrapolated) frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return inv_freq, float(attention)
 
 
 def longrope_attention_factor(scaling: dict) -> float:
@@ -70,7 +104,7 @@ class RotaryEmbedding:
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         factor = 1.0
         if scaling:
-            inv_freq, factor = scaled_inv_freq(inv_freq, scaling, context_len or max_positions)
+            inv_freq, factor = scaled_inv_freq(inv_freq, scaling, context_len or max_positions, theta, dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (P, dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, dim)

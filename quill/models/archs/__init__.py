@@ -1,13 +1,13 @@
 """The architecture seam: one small definition per model family, and the registry that maps a
-config.json's `architectures[0]` and a GGUF's `general.architecture` to it.
+config.json's `architectures[0]` (or model_type) and a GGUF's `general.architecture` to it.
 
-A definition (`ArchSpec`) says what differs from the Llama layer every family here shares
-(pre-norm RMSNorm, fused QKV, RoPE, grouped-query attention, SwiGLU): q/k/v bias, per-head q/k
-RMSNorm, a sliding window, scalar multipliers, how llama.cpp's converter stores its q/k rows and
-which extra tensors and metadata keys it writes. `ModelConfig` is built from the definition;
-`LlamaForCausalLM` composes its blocks from the config; the fused decode path checks the same
-config against what it implements. Adding a family is one file here plus its tests (see
-docs/ARCHITECTURE.md, "Adding an architecture").
+A definition (`ArchSpec`) says which of the shared blocks its layer uses: q/k/v bias, q/k RMSNorm
+(per head or over the whole projection), where the RMSNorms sit (pre-norm, sandwich, post-norm),
+the MLP's activation, fused Hugging Face tensors, scalar multipliers; how llama.cpp's converter
+names and orders its tensors; and hooks for per-layer rules (windows, RoPE) no shared field holds.
+`ModelConfig` is built from the definition; `LlamaForCausalLM` composes its blocks from the
+config; the fused decode path checks the same recipe against what it implements. Adding a family
+is one file here plus its tests (see docs/ARCHITECTURE.md, "Adding an architecture").
 """
 
 from __future__ import annotations

@@ -6,6 +6,6 @@ SPEC = ArchSpec(
     name="llama",
     hf_classes=("LlamaForCausalLM",),
     gguf_arch="llama",  # llama.cpp also writes Mistral 7B files as "llama"
-    families="Llama 2, Llama 3.x (rope_freqs), SmolLM, Mistral (GGUF)",
+    families="Llama 2, Llama 3.x (rope_freqs), SmolLM 1-2, Mistral 7B, Nemo and Small 3 (GGUF)",
     gguf_permutes_qk=True,
 )
