@@ -16,16 +16,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING; INFO shows per-request lines)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from quill import memory
-    from quill.bench import accuracy, latency, serve, soak, structured
+    from quill.bench import accuracy, latency, serve, soak, structured, synth
     from quill.commands import chat, generate, info, selftest, trace
     from quill.server import serve_cmd
 
     for module in (generate, chat, info, selftest, serve_cmd, trace, memory):
         module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), latency (engine vs llama.cpp), "
-                                         "structured (constrained vs free decode), soak (storm + health check)")
+                                         "structured (constrained vs free decode), soak (storm + health check), "
+                                         "synth (a real-shaped GGUF with random weights)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    for module in (serve, latency, structured, accuracy, soak):
+    for module in (serve, latency, structured, accuracy, soak, synth):
         module.register(bench_sub)
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     return parser
