@@ -32,14 +32,12 @@ def test_packed_layout_round_trip_equals_gguf(qtype):
 
 
 def test_unpackable_types_return_none():
-    raw, shape = random_tensor(Q.Q6_K, 4, 1)
-    assert pack_gguf(Q.Q6_K, shape, raw) is None
     raw, shape = random_tensor(Q.F16, 4, 1)
     assert pack_gguf(Q.F16, shape, raw) is None
 
 
 @needs_native
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("batch", [1, 3, 16, 40])
 def test_kernel_matches_fp32_reference(qtype, batch):
     w, ref = packed(qtype, rows=40, blocks=8 if qtype in (Q.Q4_K, Q.Q5_K) else 5, seed=batch)

@@ -23,7 +23,11 @@ P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class QWeight(ctypes.Structure):
-    _fields_ = [("kind", I), ("rows", I), ("groups", I), ("codes", P), ("scale", P), ("mins", P), ("bias", P)]
+    pass
+
+
+QWeight._fields_ = [("kind", I), ("rows", I), ("groups", I), ("codes", P), ("scale", P), ("mins", P), ("bias", P),
+                    ("parts", ctypes.POINTER(QWeight)), ("nparts", I)]
 
 
 class LayerWeights(ctypes.Structure):
@@ -97,15 +101,37 @@ def _qweight(linear, keep: list) -> QWeight | None:
     bias = getattr(linear, "bias", None)
     bias_ptr = None if bias is None else bias.data_ptr()
     if isinstance(linear, PackedLinear):
-        w = linear.weight
-        keep.append(w)
-        kind = (0 if w.kind == "q4" else 1) if isinstance(w, PackedWeight) else 3 + w.native_kind  # 3..6: AMX tiled
-        mins = None if w.mins is None else w.mins.data_ptr()
-        return QWeight(kind, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(), mins, bias_ptr)
+        w = _layout(linear.weight, keep)
+        if w is not None:
+            w.bias = bias_ptr
+        return w
     if isinstance(linear, DenseLinear) and linear.in_features % 32 == 0 and linear.weight.dtype == torch.float32:
         keep.append(linear.weight)
         return QWeight(2, linear.out_features, linear.in_features // 32, linear.weight.data_ptr(), None, None, bias_ptr)
     return None
+
+
+def _layout(w, keep: list) -> QWeight | None:
+    """A resident weight as the kernel's QWeight (no bias), or None for a layout it has no code for."""
+    from quill.kernels.kquant import BlockWeight
+    from quill.kernels.packed import SplitWeight
+
+    keep.append(w)
+    if isinstance(w, SplitWeight):
+        parts = [_layout(p, keep) for p in w.parts]
+        if any(p is None or p.kind in (3, 4, 5, 6) for p in parts):  # AMX-tiled parts write whole rows only
+            return None
+        array = (QWeight * len(parts))(*parts)
+        keep.append(array)
+        return QWeight(10, w.rows, w.groups, None, None, None, None, array, len(parts))
+    if isinstance(w, BlockWeight):
+        return QWeight(7 + w.kind, w.rows, w.groups, w.blocks.data_ptr(), None, None, None)
+    if isinstance(w, PackedWeight):
+        return QWeight(0 if w.kind == "q4" else 1, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(),
+                       w.mins.data_ptr(), None)
+    kind = 3 + w.native_kind  # 3..6: AMX tiled
+    mins = None if w.mins is None else w.mins.data_ptr()
+    return QWeight(kind, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(), mins, None)
 
 
 class FusedDecoder:

@@ -16,7 +16,7 @@ from pathlib import Path
 logger = logging.getLogger("quill.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c")]
+SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c")]
 HEADERS = [CSRC / "simd.h", CSRC / "attend_kv.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
@@ -70,6 +70,9 @@ def load() -> ctypes.CDLL | None:
     for name in ("quill_gemv_q4", "quill_gemv_q8"):
         getattr(lib, name).argtypes = [P, P, P, P, P, P, I, I, I, I, I]
         getattr(lib, name).restype = None
+    for name in ("quill_gemv_q4_ld", "quill_gemv_q8_ld"):  # the same, writing into rows of stride ld
+        getattr(lib, name).argtypes = [P, P, P, P, P, P, I, I, I, I, I, I]
+        getattr(lib, name).restype = None
     for name in ("quill_dequant_q4", "quill_dequant_q8"):
         getattr(lib, name).argtypes = [P, P, P, P, I, I, I]
         getattr(lib, name).restype = None
@@ -89,6 +92,12 @@ def load() -> ctypes.CDLL | None:
     lib.quill_amx_dequant.restype = None
     lib.quill_amx_scratch_bytes.argtypes = [I, I]
     lib.quill_amx_scratch_bytes.restype = ctypes.c_long
+    lib.quill_gemv_kq.argtypes = [I, P, P, P, I, I, I, I, I, I]  # kind, blocks, x, out, N, K, B, ld, isa, threads
+    lib.quill_gemv_kq.restype = None
+    lib.quill_dequant_kq.argtypes = [I, P, P, I, I, I]
+    lib.quill_dequant_kq.restype = None
+    lib.quill_kq_row_bytes.argtypes = [I, I]
+    lib.quill_kq_row_bytes.restype = ctypes.c_long
     lib.quill_read_sum.argtypes = [P, ctypes.c_long]
     lib.quill_read_sum.restype = ctypes.c_double
     return lib

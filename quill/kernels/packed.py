@@ -1,9 +1,11 @@
 """Low-bit weights kept low-bit in memory: the packed layout, and the linear/embedding built on it.
 
-Two layouts cover the GGUF types (value = scale[n, g] * code + min[n, g], 32-element groups):
-  q4  codes 0..15, two per byte in GGUF's Q4_0/Q4_1 order   <- Q4_0, Q4_1, Q4_K
+Two layouts cover the 32-weight block types (value = scale[n, g] * code + min[n, g]):
+  q4  codes 0..15, two per byte in GGUF's Q4_0/Q4_1 order   <- Q4_0, Q4_1
   q8  one signed byte per code                               <- Q8_0, Q5_K
-Other types (F16/BF16/F32, Q6_K with its 16-element groups) stay on the dense fp32 path.
+Q4_K and Q6_K keep GGUF's own super-blocks (quill.kernels.kquant.BlockWeight). A fused projection
+whose parts the file stores in different types is a SplitWeight of its parts. Other types
+(F16/BF16/F32) stay on the dense fp32 path.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from quill.kernels.dequant import unpack_blocks
 GROUP = 32
 SMALL_BATCH = 16  # up to this many rows always go through the GEMV kernel
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
-PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K})
+PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K})
 
 
 class GroupWeight:
@@ -93,11 +95,15 @@ def _f16(col: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(col).view(np.float16).astype(np.float32)[..., 0]
 
 
-def pack_gguf(qtype, shape: tuple[int, ...], raw: np.ndarray) -> PackedWeight | None:
-    """A GGUF tensor's raw blocks -> PackedWeight (exact), or None if the type has no packed layout."""
+def pack_gguf(qtype, shape: tuple[int, ...], raw: np.ndarray) -> GroupWeight | None:
+    """A GGUF tensor's raw blocks -> PackedWeight or BlockWeight (exact), or None if the type has no packed layout."""
+    from quill.kernels.kquant import block_weight
+
     qtype = Q(qtype)
     if qtype not in PACKABLE or len(shape) != 2 or shape[1] % GROUP:
         return None
+    if (blocks := block_weight(qtype, shape, raw)) is not None:
+        return blocks
     rows, cols = shape
     groups = cols // GROUP
     if qtype in _BLOCK_BYTES:
@@ -123,12 +129,51 @@ def _make(kind: str, codes: np.ndarray, scale: np.ndarray, mins: np.ndarray) -> 
                         as_t(scale, np.float32), as_t(mins, np.float32))
 
 
-def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
-    """Fuse q/k/v or gate/up: stack rows (all parts share kind and column count)."""
+def concat_rows(parts: list[GroupWeight]) -> GroupWeight:
+    """Fuse q/k/v or gate/up: stack rows (all parts share the column count). Parts of one layout
+    become one weight of it; parts of different layouts a SplitWeight."""
+    from quill.kernels.kquant import BlockWeight
+
     if len(parts) == 1:
         return parts[0]
-    return PackedWeight(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                        torch.cat([p.mins for p in parts]))
+    if all(isinstance(p, PackedWeight) and p.kind == parts[0].kind for p in parts):
+        return PackedWeight(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                            torch.cat([p.mins for p in parts]))
+    if all(isinstance(p, BlockWeight) and p.qtype == parts[0].qtype for p in parts):
+        return BlockWeight(parts[0].qtype, torch.cat([p.blocks for p in parts]), parts[0].cols)
+    return SplitWeight(list(parts))
+
+
+class SplitWeight(GroupWeight):
+    """The rows of several weights of different layouts, stacked: a fused q/k/v or gate/up whose
+    parts the file stores in different types (Q4_K_M files give attn_v Q6_K beside Q4_K q and k).
+    Each part keeps its layout and kernel; the GEMV writes each into its columns of the output."""
+
+    def __init__(self, parts: list[GroupWeight]):
+        self.parts = parts
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def cols(self) -> int:
+        return self.parts[0].cols
+
+    @property
+    def groups(self) -> int:
+        return self.cols // GROUP
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in p.tensors()]
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(self.rows, self.cols) if out is None else out
+        r = 0
+        for p in self.parts:
+            p.dequantize(out[r : r + p.rows])
+            r += p.rows
+        return out
 
 
 class Workspace:
@@ -188,24 +233,45 @@ class PackedLinear(nn.Module):
 
     def scratch_floats(self, batch: int) -> int:
         w = self.weight
-        return batch * w.groups if isinstance(w, PackedWeight) else -(-w.scratch_bytes(batch) // 4)
+        parts = w.parts if isinstance(w, SplitWeight) else [w]
+        return max(batch * p.groups if isinstance(p, GroupWeight) and not hasattr(p, "scratch_bytes")
+                   else -(-p.scratch_bytes(batch) // 4) for p in parts)
 
     def bind_gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None):
         """The kernel call for x (B, in) -> out (B, out) with its pointers bound: call it to run. It holds
         x, out, scratch (at least scratch_floats(B) floats; default: the shared workspace) and the weight.
         The ISA and thread count are those of the engine running now (`options.current()`)."""
         w = self.weight
-        opts = options.current()
         if scratch is None:
             scratch = self.workspace.sums(self.scratch_floats(x.shape[0]))
-        if not isinstance(w, PackedWeight):  # a TiledWeight (AMX)
-            fn, args = w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], scratch.data_ptr(),
-                                  opts.threads)
-        else:
-            fn = self._lib.quill_gemv_q4 if w.kind == "q4" else self._lib.quill_gemv_q8
-            args = (w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), scratch.data_ptr(),
-                    out.data_ptr(), w.rows, w.groups, x.shape[0], opts.isa, opts.threads)
+        if isinstance(w, SplitWeight):
+            calls, r = [], 0
+            for p in w.parts:
+                calls.append(self._call(p, x, out[:, r:], scratch, ld=w.rows))
+                r += p.rows
+            return functools.partial(_call_each, calls, (x, out, scratch, w))
+        fn, args = self._call(w, x, out, scratch)
         return functools.partial(_call_holding, fn, args, (x, out, scratch, w))
+
+    def _call(self, w, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, ld: int | None = None):
+        """(function, arguments) of one weight's kernel writing out's first w.rows columns (row stride ld)."""
+        from quill.kernels.kquant import BlockWeight
+
+        opts = options.current()
+        if isinstance(w, BlockWeight):
+            return w.bind(x, out, ld)
+        if isinstance(w, PackedWeight):
+            fn = self._lib.quill_gemv_q4_ld if w.kind == "q4" else self._lib.quill_gemv_q8_ld
+            return fn, (w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), scratch.data_ptr(),
+                        out.data_ptr(), w.rows, w.groups, x.shape[0], ld or w.rows, opts.isa, opts.threads)
+        if ld not in (None, w.rows):  # a TiledWeight (AMX) writes whole rows only; concat_rows never splits one
+            raise ValueError("an AMX-tiled weight cannot be one part of a split projection")
+        return w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], scratch.data_ptr(), opts.threads)
+
+
+def _call_each(calls, _alive) -> None:
+    for fn, args in calls:
+        fn(*args)
 
 
 def _call_holding(fn, args, _alive) -> None:

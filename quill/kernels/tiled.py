@@ -102,7 +102,8 @@ def tile_weight(w: PackedWeight) -> TiledWeight | None:
 
 
 def for_cpu(w: PackedWeight | None) -> PackedWeight | TiledWeight | None:
-    """The layout the fastest kernel on this CPU reads: tiled where AMX is available and the shape fits."""
-    if w is None or not available():
+    """The layout the fastest kernel on this CPU reads: tiled where AMX is available and the shape fits
+    (GGUF-block and split weights keep their own layout)."""
+    if not isinstance(w, PackedWeight) or not available():
         return w
     return tile_weight(w) or w

@@ -109,7 +109,7 @@ class PackedGGUFWeights:
         parts = [self._tensor(n + ".weight") for n in names]
         bias = torch.cat([self.tensor(n + ".bias") for n in names]) if has_bias else None
         packs = [pack_gguf(t.qtype, t.shape, t.raw) if self.device == "cpu" else None for t in parts]
-        if all(p is not None for p in packs) and len({p.kind for p in packs}) == 1:
+        if all(p is not None for p in packs):  # one layout, or a split of the parts' own layouts
             return PackedLinear(for_cpu(concat_rows(packs)), bias, self.workspace)
         return DenseLinear(torch.cat([self._dense(t) for t in parts]).contiguous(), bias)
 

@@ -17,17 +17,21 @@
 #include <math.h>
 #include <stdint.h>
 
-void quill_gemv_q4(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int);
-void quill_gemv_q8(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int);
+void quill_gemv_q4_ld(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int, int);
+void quill_gemv_q8_ld(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int, int);
+void quill_gemv_kq(int, const uint8_t *, const float *, float *, int, int, int, int, int, int);
 void quill_amx_gemv(int, const void *, const void *, const void *, const float *, float *, int, int, int, void *, int);
 int quill_isa_used(int isa);
 
-typedef struct {
-    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 + k = AMX-tiled kind k */
+typedef struct QWeight {
+    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 + k = AMX-tiled kind k,
+                 7 + k = GGUF K-quant blocks of kind k (0 = Q4_K, 1 = Q6_K), 10 = split: `parts` stacked */
     int rows, groups;
     const void *codes;
     const void *scale, *mins; /* fp32, or fp16 for AMX-tiled kinds with bit 1 */
     const float *bias;
+    const struct QWeight *parts; /* kind 10: the parts, each writing its rows of the output */
+    int nparts;
 } QWeight;
 
 typedef struct {
@@ -122,17 +126,26 @@ static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
     return hsum8(acc);
 }
 
-static void gemv(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B) {
+/* out (B, ld) columns [0, w->rows) = x (B, K) @ W.T, without the bias. */
+static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B, int ld) {
     int N = w->rows, K = w->groups * 32, nt = team(m);
-    if (w->kind == 0) quill_gemv_q4(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, m->isa, nt);
-    else if (w->kind == 1) quill_gemv_q8(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, m->isa, nt);
-    else if (w->kind >= 3) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums, nt);
-    else {
+    if (w->kind == 0) quill_gemv_q4_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
+    else if (w->kind == 1) quill_gemv_q8_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
+    else if (w->kind >= 3 && w->kind < 7) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums, nt);
+    else if (w->kind == 7 || w->kind == 8) quill_gemv_kq(w->kind - 7, w->codes, x, out, N, K, B, ld, m->isa, nt);
+    else if (w->kind == 10) {
+        for (int p = 0, r = 0; p < w->nparts; r += w->parts[p].rows, p++) gemv_ld(m, &w->parts[p], x, sums, out + r, B, ld);
+    } else {
         const float *W = (const float *)w->codes;
 #pragma omp parallel for schedule(static) num_threads(nt)
         for (int n = 0; n < N; n++)
-            for (int b = 0; b < B; b++) out[(long)b * N + n] = dot(W + (long)n * K, x + (long)b * K, K);
+            for (int b = 0; b < B; b++) out[(long)b * ld + n] = dot(W + (long)n * K, x + (long)b * K, K);
     }
+}
+
+static void gemv(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B) {
+    const int N = w->rows;
+    gemv_ld(m, w, x, sums, out, B, N); /* AMX-tiled weights are never parts, so ld = N for them */
     if (w->bias)
         for (int b = 0; b < B; b++)
             for (int n = 0; n < N; n++) out[(long)b * N + n] += w->bias[n];

@@ -176,11 +176,13 @@ int quill_hw_avx512(void) {
 /* The width a call with `isa` (256 or 512) runs: 512 only where the CPU has it. */
 int quill_isa_used(int isa) { return isa >= 512 && quill_hw_avx512() ? 512 : 256; }
 
-/* out (B, N) = x (B, K) @ W.T ; xs is scratch of B*G floats. isa: 512 = the AVX-512 rows where the
- * CPU has them, else AVX2; threads: the OpenMP team for this call (the caller's own count). */
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T ; xs is scratch of B*G floats; ld is out's row stride (N
+ * for a whole output, more when W is one part of a fused projection whose parts differ in type).
+ * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: the OpenMP team for this call
+ * (the caller's own count). */
 #define GEMV_FN(NAME, CODE_T, BYTES_PER_GROUP, ROW, ROW512)                                          \
-    void NAME(const CODE_T *codes, const float *scale, const float *mins, const float *x, float *xs,  \
-              float *out, int N, int G, int B, int isa, int threads) {                               \
+    void NAME##_ld(const CODE_T *codes, const float *scale, const float *mins, const float *x, float *xs, \
+                   float *out, int N, int G, int B, int ld, int isa, int threads) {                  \
         group_sums(x, xs, B, G);                                                                     \
         const int wide = quill_isa_used(isa) == 512;                                                 \
         _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")          \
@@ -189,9 +191,13 @@ int quill_isa_used(int isa) { return isa >= 512 && quill_hw_avx512() ? 512 : 256
             const int tile = wide ? TILE512 : TILE;                                                  \
             for (int b0 = 0; b0 < B; b0 += tile) {                                                   \
                 int nb = B - b0 < tile ? B - b0 : tile;                                              \
-                (wide ? ROW512 : ROW)(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, N, n, G, b0, nb); \
+                (wide ? ROW512 : ROW)(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, ld, n, G, b0, nb); \
             }                                                                                        \
         }                                                                                            \
+    }                                                                                                \
+    void NAME(const CODE_T *codes, const float *scale, const float *mins, const float *x, float *xs,  \
+              float *out, int N, int G, int B, int isa, int threads) {                               \
+        NAME##_ld(codes, scale, mins, x, xs, out, N, G, B, N, isa, threads);                         \
     }
 
 GEMV_FN(quill_gemv_q4, uint8_t, 16, row_q4, row_q4_512)

@@ -1,0 +1,87 @@
+"""Weights kept in GGUF's own K-quant blocks (Q4_K, Q6_K): as many bytes in memory as in the file.
+
+The C kernels (csrc/kquant.c) compute a GEMV or small GEMM straight from the blocks with fp32
+activations, and dequantize rows for prefill tiles and embedding lookups; both give exactly the
+weights GGUF defines (the same products as gguf-py's reference dequantization).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from quill.kernels import native, options
+from quill.kernels.packed import GroupWeight
+
+BLOCK = 256  # weights per super-block
+KINDS = {Q.Q4_K: 0, Q.Q6_K: 1}  # GGUF type -> the kernels' kind
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
+
+
+@dataclass
+class BlockWeight(GroupWeight):
+    """(rows, cols) weight as GGUF blocks: `blocks` is (rows, cols / 256 * block bytes) uint8."""
+
+    qtype: Q
+    blocks: torch.Tensor
+    cols_: int
+
+    @property
+    def kind(self) -> int:
+        return KINDS[self.qtype]
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.cols_
+
+    @property
+    def groups(self) -> int:  # 32-weight groups per row (what the fused layer's scratch is sized by)
+        return self.cols_ // 32
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.blocks]
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(rows, cols) float32, written into `out` when given."""
+        return self._dequant(self.blocks, out)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T, cols) float32: an embedding lookup that dequantizes only those rows."""
+        return self._dequant(self.blocks[ids].contiguous())
+
+    def _dequant(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(blocks.shape[0], self.cols_) if out is None else out
+        lib = native.load()
+        if lib is None:  # no kernels: gguf-py's reference dequantization
+            from quill.kernels.dequant import dequantize
+
+            out.copy_(dequantize(blocks.numpy(), self.qtype, (blocks.shape[0], self.cols_)))
+            return out
+        lib.quill_dequant_kq(self.kind, blocks.data_ptr(), out.data_ptr(), blocks.shape[0], self.cols_,
+                             options.current().threads)
+        return out
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor, ld: int | None = None):
+        """The GEMV call for x (B, cols) -> out's first `rows` columns (row stride ld, default rows)."""
+        opts = options.current()
+        return (native.load().quill_gemv_kq,
+                (self.kind, self.blocks.data_ptr(), x.data_ptr(), out.data_ptr(), self.rows, self.cols_, x.shape[0],
+                 ld or self.rows, opts.isa, opts.threads))
+
+
+def block_weight(qtype, shape: tuple[int, ...], raw: np.ndarray) -> BlockWeight | None:
+    """A GGUF tensor's raw blocks as a BlockWeight (one copy of the bytes, out of the read-only map), or
+    None if the type or shape has no block kernel."""
+    qtype = Q(qtype)
+    if qtype not in KINDS or len(shape) != 2 or shape[1] % BLOCK:
+        return None
+    rows, cols = shape
+    blocks = np.asarray(raw).view(np.uint8).reshape(rows, cols // BLOCK * BLOCK_BYTES[qtype])
+    return BlockWeight(qtype, torch.from_numpy(np.array(blocks, copy=True)), cols)
