@@ -37,6 +37,7 @@ the same rules are in the copy llama-cpp-python 0.3.36 vendors), see `tensor_typ
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -343,19 +344,26 @@ def _f32_tensor(t: TensorPlan, s: Shape, rng: np.random.Generator) -> np.ndarray
 # Tokenizer
 
 
-def _tokenizer_fields(vocab: int) -> list[tuple[str, object, object, object]]:
-    """The embedded default model's tokenizer.* fields as (key, value, type, sub-type), its token list
-    padded with unused tokens up to `vocab` (llama.cpp sizes token_embd / output by the token count),
-    or cut to `vocab` (the tests' small files; merges that need a dropped token are dropped too)."""
+@functools.lru_cache(maxsize=1)
+def _default_tokenizer() -> tuple[tuple[str, object, object, object], ...]:
+    """The embedded default model's tokenizer.* fields as (key, value, type, sub-type), read once."""
     from gguf import GGUFReader, GGUFValueType
 
     from quill.models.default import default_model_path
 
     reader = GGUFReader(str(default_model_path()))
-    fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    tokens = [str(t) for t in fields["tokenizer.ggml.tokens"].contents()]
-    types = [int(t) for t in fields["tokenizer.ggml.token_type"].contents()]
-    merges = [str(m) for m in fields["tokenizer.ggml.merges"].contents()] if "tokenizer.ggml.merges" in fields else None
+    return tuple((k, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+                 for k, f in reader.fields.items() if k.startswith("tokenizer."))
+
+
+def _tokenizer_fields(vocab: int) -> list[tuple[str, object, object, object]]:
+    """The default tokenizer's fields, its token list padded with unused tokens up to `vocab` (llama.cpp
+    sizes token_embd / output by the token count), or cut to `vocab` (the tests' small files; merges
+    that need a dropped token are dropped too, and so are special-token ids past the end)."""
+    fields = {key: (value, vtype, sub) for key, value, vtype, sub in _default_tokenizer()}
+    tokens = [str(t) for t in fields["tokenizer.ggml.tokens"][0]]
+    types = [int(t) for t in fields["tokenizer.ggml.token_type"][0]]
+    merges = fields.get("tokenizer.ggml.merges", (None,))[0]
     if vocab >= len(tokens):
         unused = vocab - len(tokens)
         tokens += [f"<|synth_unused_{i}|>" for i in range(unused)]
@@ -364,22 +372,15 @@ def _tokenizer_fields(vocab: int) -> list[tuple[str, object, object, object]]:
         tokens, types = tokens[:vocab], types[:vocab]
         kept = set(tokens)
         if merges is not None:
-            merges = [m for m in merges if (p := m.split(" ")) and len(p) == 2 and p[0] in kept and p[1] in kept
-                      and p[0] + p[1] in kept]
+            merges = [m for m in merges if (p := str(m).split(" ")) and len(p) == 2 and p[0] in kept
+                      and p[1] in kept and p[0] + p[1] in kept]
+    replaced = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}
     out = []
-    for key, f in fields.items():
-        if key == "tokenizer.ggml.tokens":
-            value = tokens
-        elif key == "tokenizer.ggml.token_type":
-            value = types
-        elif key == "tokenizer.ggml.merges":
-            value = merges
-        else:
-            value = f.contents()
-            if isinstance(value, int) and key.endswith("_id") and value >= vocab:
-                continue
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        out.append((key, value, f.types[0], sub))
+    for key, (value, vtype, sub) in fields.items():
+        value = replaced.get(key, value)
+        if isinstance(value, int) and key.endswith("_id") and value >= vocab:
+            continue
+        out.append((key, value, vtype, sub))
     return out
 
 
