@@ -68,12 +68,13 @@ class BlockWeight(GroupWeight):
                              options.current().threads)
         return out
 
-    def bind(self, x: torch.Tensor, out: torch.Tensor, ld: int | None = None):
-        """The GEMV call for x (B, cols) -> out's first `rows` columns (row stride ld, default rows)."""
+    def bind(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, ld: int | None = None):
+        """The GEMV call for x (B, cols) -> out's first `rows` columns (row stride ld, default rows);
+        scratch holds at least B * cols / 32 floats (the group sums of x)."""
         opts = options.current()
         return (native.load().quill_gemv_kq,
-                (self.kind, self.blocks.data_ptr(), x.data_ptr(), out.data_ptr(), self.rows, self.cols_, x.shape[0],
-                 ld or self.rows, opts.isa, opts.threads))
+                (self.kind, self.blocks.data_ptr(), x.data_ptr(), scratch.data_ptr(), out.data_ptr(), self.rows,
+                 self.cols_, x.shape[0], ld or self.rows, opts.isa, opts.threads))
 
 
 def block_weight(qtype, shape: tuple[int, ...], raw: np.ndarray) -> BlockWeight | None:

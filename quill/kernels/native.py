@@ -92,7 +92,7 @@ def load() -> ctypes.CDLL | None:
     lib.quill_amx_dequant.restype = None
     lib.quill_amx_scratch_bytes.argtypes = [I, I]
     lib.quill_amx_scratch_bytes.restype = ctypes.c_long
-    lib.quill_gemv_kq.argtypes = [I, P, P, P, I, I, I, I, I, I]  # kind, blocks, x, out, N, K, B, ld, isa, threads
+    lib.quill_gemv_kq.argtypes = [I, P, P, P, P, I, I, I, I, I, I]  # kind, blocks, x, xs, out, N, K, B, ld, isa, threads
     lib.quill_gemv_kq.restype = None
     lib.quill_dequant_kq.argtypes = [I, P, P, I, I, I]
     lib.quill_dequant_kq.restype = None

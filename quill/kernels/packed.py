@@ -259,7 +259,7 @@ class PackedLinear(nn.Module):
 
         opts = options.current()
         if isinstance(w, BlockWeight):
-            return w.bind(x, out, ld)
+            return w.bind(x, out, scratch, ld)
         if isinstance(w, PackedWeight):
             fn = self._lib.quill_gemv_q4_ld if w.kind == "q4" else self._lib.quill_gemv_q8_ld
             return fn, (w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), scratch.data_ptr(),

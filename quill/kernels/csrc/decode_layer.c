@@ -19,7 +19,7 @@
 
 void quill_gemv_q4_ld(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int, int);
 void quill_gemv_q8_ld(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int, int);
-void quill_gemv_kq(int, const uint8_t *, const float *, float *, int, int, int, int, int, int);
+void quill_gemv_kq(int, const uint8_t *, const float *, float *, float *, int, int, int, int, int, int);
 void quill_amx_gemv(int, const void *, const void *, const void *, const float *, float *, int, int, int, void *, int);
 int quill_isa_used(int isa);
 
@@ -132,7 +132,7 @@ static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float
     if (w->kind == 0) quill_gemv_q4_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind == 1) quill_gemv_q8_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind >= 3 && w->kind < 7) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums, nt);
-    else if (w->kind == 7 || w->kind == 8) quill_gemv_kq(w->kind - 7, w->codes, x, out, N, K, B, ld, m->isa, nt);
+    else if (w->kind == 7 || w->kind == 8) quill_gemv_kq(w->kind - 7, w->codes, x, sums, out, N, K, B, ld, m->isa, nt);
     else if (w->kind == 10) {
         for (int p = 0, r = 0; p < w->nparts; r += w->parts[p].rows, p++) gemv_ld(m, &w->parts[p], x, sums, out + r, B, ld);
     } else {

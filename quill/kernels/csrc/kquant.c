@@ -8,11 +8,13 @@
  *        w = (d * sc[g]) * q - (dmin * m[g]),   q in 0..15
  *   Q6_K (210 bytes: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d fp16)
  *        w = (d * sc[16-element chunk]) * (q - 32),   q in 0..63
- * Activations stay fp32: nothing is rounded beyond the file's own quantization.
+ * Dequantization computes exactly those weights. The GEMV computes the same dot product
+ * reassociated: per group sc * (codes . x) (Q6_K: per 16 weights), minus min * sum(x) for Q4_K.
+ * Activations stay fp32: nothing is rounded beyond the file's own quantization and fp32 sums.
  *
- * Batch invariance: each (row, item) accumulates groups in order in two accumulators (the group's
- * first and second 16 weights), then one horizontal sum, whatever B is or where the item sits. Tiles
- * over B only share the decoded weights between items.
+ * Batch invariance: each (row, item) accumulates groups in order in two accumulators, then one
+ * horizontal sum, whatever B is or where the item sits. Tiles over B only share the decoded
+ * codes between items.
  *
  * Block layouts are facts from GGML's format (ggml-common.h block_q4_K / block_q6_K and the
  * reference dequantize_row_q4_K / _q6_K); the code is written here.
@@ -21,6 +23,7 @@
 
 #include "simd.h"
 #include <stdint.h>
+#include <string.h>
 
 #define QK 256
 #define Q4K_BYTES 144
@@ -41,25 +44,14 @@ static inline void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
     }
 }
 
-/* One group's 32 codes as bytes (Q4_K: 0..15 unsigned; Q6_K: q - 32 signed) and the scale(s) and
- * min that turn them into weights: s0 for codes 0..15, s1 for 16..31 (equal for Q4_K), mn (0 for Q6_K). */
-static inline __m256i group_codes(int kind, const uint8_t *blk, int g, float *s0, float *s1, float *mn) {
+/* One group's 32 codes as bytes: Q4_K 0..15 unsigned, Q6_K q - 32 signed. */
+static inline __m256i group_codes(int kind, const uint8_t *blk, int g) {
     if (kind == 0) {
-        const float d = f16(blk), dmin = f16(blk + 2);
-        int sc, m;
-        q4k_scale_min(blk + 4, g, &sc, &m);
-        *s0 = *s1 = d * (float)sc;
-        *mn = dmin * (float)m;
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (g >> 1)));
         const __m256i nib = (g & 1) ? _mm256_srli_epi16(raw, 4) : raw;
         return _mm256_and_si256(nib, _mm256_set1_epi8(15));
     }
     const int h = g >> 2, sub = g & 3; /* half of the block, and which of its four 32-runs */
-    const float d = f16(blk + 208);
-    const int8_t *sc = (const int8_t *)(blk + 192) + 8 * h + 2 * sub;
-    *s0 = d * (float)sc[0];
-    *s1 = d * (float)sc[1];
-    *mn = 0.f;
     const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (sub & 1)));
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
     const __m256i lo = _mm256_and_si256((sub >> 1) ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(15));
@@ -68,8 +60,8 @@ static inline __m256i group_codes(int kind, const uint8_t *blk, int g, float *s0
     return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
 }
 
-/* codes (32 bytes) -> four 8-wide weight vectors: w = s * q - mn, as a product then a difference. */
-static inline void weights8(int kind, __m256i codes, float s0, float s1, float mn, __m256 w[4]) {
+/* codes (32 bytes) -> four 8-wide float vectors of the plain codes. */
+static inline void codes8(int kind, __m256i codes, __m256 w[4]) {
     const __m128i a = _mm256_castsi256_si128(codes), c = _mm256_extracti128_si256(codes, 1);
     __m256i v[4];
     if (kind == 0) {
@@ -83,85 +75,154 @@ static inline void weights8(int kind, __m256i codes, float s0, float s1, float m
         v[2] = _mm256_cvtepi8_epi32(c);
         v[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(c, 8));
     }
-    const __m256 m = _mm256_set1_ps(mn);
-    for (int i = 0; i < 4; i++)
-        w[i] = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), _mm256_set1_ps(i < 2 ? s0 : s1)), m);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi32_ps(v[i]);
 }
+
+/* One group's weights exactly as GGUF's reference dequantization computes them: (scale * code) - min,
+ * a product then a difference (s0 for codes 0..15, s1 for 16..31). */
+static inline void weights8(int kind, __m256i codes, float s0, float s1, float mn, __m256 w[4]) {
+    codes8(kind, codes, w);
+    const __m256 m = _mm256_set1_ps(mn);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_sub_ps(_mm256_mul_ps(w[i], _mm256_set1_ps(i < 2 ? s0 : s1)), m);
+}
+
+/* A block's scales (and Q4_K's mins) as fp32, decoded once per 256 weights with vector ops:
+ * Q4_K: sc[g] = d * scale_g, mn[g] = dmin * min_g (g < 8); Q6_K: sc[c] = d * scale_c (c < 16).
+ * Q4_K's twelve bytes, as three little-endian words u0 u1 u2, hold (bit arithmetic of
+ * q4k_scale_min above): scales 0-3 = u0 & 0x3f.., mins 0-3 = u1 & 0x3f..,
+ * scales 4-7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, mins 4-7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4. */
+static inline void block_scales(int kind, const uint8_t *blk, float *sc, float *mn) {
+    if (kind == 0) {
+        uint32_t u[3], v[4];
+        memcpy(u, blk + 4, 12);
+        v[0] = u[0] & 0x3f3f3f3fu;
+        v[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        v[2] = u[1] & 0x3f3f3f3fu;
+        v[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)v); /* 8 scales, then 8 mins */
+        _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
+        _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))));
+    } else {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 d = _mm256_set1_ps(f16(blk + 208));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+        _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
+    }
+}
+
+/* Sum over g < G of mn[g] * xs[g], eight lanes then the tail, in a fixed order. */
+static inline float min_terms(const float *mn, const float *xs, int G) {
+    __m256 acc = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xs + g), acc);
+    float tail = 0.f;
+    for (; g < G; g++) tail += mn[g] * xs[g];
+    return hsum8(acc) + tail;
+}
+
+/* Sum of each 32-weight group of x, per item: the Q4_K min terms are m_g * sum(x_g). */
+static void kq_group_sums(const float *x, float *xs, int B, int K) {
+    for (int b = 0; b < B; b++)
+        for (int g = 0; g < K / 32; g++) {
+            const float *p = x + (long)b * K + 32L * g;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+            xs[(long)b * (K / 32) + g] = hsum8(s);
+        }
+}
+
+/* The GEMV computes, per item and row, sum over groups g of sc * (codes_g . x_g) - mn_g * sum(x_g)
+ * (Q4_K), or sum over 16-chunks c of sc_c * (codes_c . x_c) with codes q - 32 (Q6_K): the same
+ * dot product as the dequantized weights', reassociated; every sum in a fixed order. */
 
 #define TILE 4
 
 /* Row n for items [b0, b0 + nb), nb <= TILE: 8 lanes wide. */
-static void row_256(int kind, const uint8_t *row, int nblk, const float *x, long K, float *out, int N, int n, int b0,
-                    int nb) {
+static void row_256(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K, float *out,
+                    int ld, int n, int b0, int nb) {
     const int bytes = kind == 0 ? Q4K_BYTES : Q6K_BYTES;
     __m256 acc[TILE], acc2[TILE];
+    float mrow[8 * nblk]; /* the row's Q4_K mins, dotted with the group sums at the end */
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm256_setzero_ps();
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * bytes;
+        float sc[16], *mn = mrow + 8 * b;
+        block_scales(kind, blk, sc, mn);
         for (int g = 0; g < 8; g++) {
-            float s0, s1, mn;
             __m256 w[4];
-            const __m256i codes = group_codes(kind, blk, g, &s0, &s1, &mn); /* sets s0, s1, mn first */
-            weights8(kind, codes, s0, s1, mn, w);
+            codes8(kind, group_codes(kind, blk, g), w);
+            const __m256 a = _mm256_set1_ps(kind == 0 ? sc[g] : sc[2 * g]), c = _mm256_set1_ps(kind == 0 ? sc[g] : sc[2 * g + 1]);
             for (int t = 0; t < nb; t++) {
                 const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
-                acc[t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), acc[t]));
-                acc2[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), acc2[t]));
+                acc[t] = _mm256_fmadd_ps(a, _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xg))), acc[t]);
+                acc2[t] = _mm256_fmadd_ps(c, _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), _mm256_mul_ps(w[2], _mm256_loadu_ps(xg + 16))), acc2[t]);
             }
         }
     }
-    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * N + n] = hsum8(_mm256_add_ps(acc[t], acc2[t]));
+    for (int t = 0; t < nb; t++)
+        out[(long)(b0 + t) * ld + n] = hsum8(_mm256_add_ps(acc[t], acc2[t]))
+                                       - (kind == 0 ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
 }
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define TILE512 8
 
-/* codes (32 bytes) -> two 16-wide weight vectors. */
-AVX512 static inline void weights16(int kind, __m256i codes, float s0, float s1, float mn, __m512 w[2]) {
+/* codes (32 bytes) -> two 16-wide float vectors of the plain codes. */
+AVX512 static inline void codes16(int kind, __m256i codes, __m512 w[2]) {
     const __m128i a = _mm256_castsi256_si128(codes), c = _mm256_extracti128_si256(codes, 1);
-    const __m512i v0 = kind == 0 ? _mm512_cvtepu8_epi32(a) : _mm512_cvtepi8_epi32(a);
-    const __m512i v1 = kind == 0 ? _mm512_cvtepu8_epi32(c) : _mm512_cvtepi8_epi32(c);
-    const __m512 m = _mm512_set1_ps(mn);
-    w[0] = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v0), _mm512_set1_ps(s0)), m);
-    w[1] = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v1), _mm512_set1_ps(s1)), m);
+    w[0] = _mm512_cvtepi32_ps(kind == 0 ? _mm512_cvtepu8_epi32(a) : _mm512_cvtepi8_epi32(a));
+    w[1] = _mm512_cvtepi32_ps(kind == 0 ? _mm512_cvtepu8_epi32(c) : _mm512_cvtepi8_epi32(c));
 }
 
-/* Row n for items [b0, b0 + nb): 16 lanes wide, inlined per constant nb so accumulators stay in registers. */
-AVX512 static inline __attribute__((always_inline)) void row_512_n(int kind, const uint8_t *row, int nblk,
-                                                                   const float *x, long K, float *out, int N, int n,
-                                                                   int b0, const int nb) {
+/* Row n for items [b0, b0 + nb): 16 lanes wide, inlined per constant kind and nb so the accumulators
+ * stay in registers and no branch is left in the loop. */
+AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kind, const uint8_t *row, int nblk,
+                                                                   const float *x, const float *xs, long K,
+                                                                   float *out, int ld, int n, int b0, const int nb) {
     const int bytes = kind == 0 ? Q4K_BYTES : Q6K_BYTES;
     __m512 acc[TILE512], acc2[TILE512];
+    float mrow[8 * nblk]; /* the row's Q4_K mins, dotted with the group sums at the end */
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * bytes;
+        float sc[16], *mn = mrow + 8 * b;
+        block_scales(kind, blk, sc, mn);
         for (int g = 0; g < 8; g++) {
-            float s0, s1, mn;
             __m512 w[2];
-            const __m256i codes = group_codes(kind, blk, g, &s0, &s1, &mn); /* sets s0, s1, mn first */
-            weights16(kind, codes, s0, s1, mn, w);
+            codes16(kind, group_codes(kind, blk, g), w);
+            const __m512 a = _mm512_set1_ps(kind == 0 ? sc[g] : sc[2 * g]), c = _mm512_set1_ps(kind == 0 ? sc[g] : sc[2 * g + 1]);
             for (int t = 0; t < nb; t++) {
                 const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
-                acc[t] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xg), acc[t]);
-                acc2[t] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), acc2[t]);
+                if (kind == 0) { /* one scale for the group: one product, then the scaled add */
+                    acc[t] = _mm512_fmadd_ps(a, _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))), acc[t]);
+                } else {
+                    acc[t] = _mm512_fmadd_ps(a, _mm512_mul_ps(w[0], _mm512_loadu_ps(xg)), acc[t]);
+                    acc2[t] = _mm512_fmadd_ps(c, _mm512_mul_ps(w[1], _mm512_loadu_ps(xg + 16)), acc2[t]);
+                }
             }
         }
     }
-    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
+    for (int t = 0; t < nb; t++)
+        out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]))
+                                       - (kind == 0 ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
 }
 
-AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *x, long K, float *out, int N, int n,
-                           int b0, int nb) {
-    switch (nb) {
-    case 1: row_512_n(kind, row, nblk, x, K, out, N, n, b0, 1); break;
-    case 2: row_512_n(kind, row, nblk, x, K, out, N, n, b0, 2); break;
-    case 3: row_512_n(kind, row, nblk, x, K, out, N, n, b0, 3); break;
-    case 4: row_512_n(kind, row, nblk, x, K, out, N, n, b0, 4); break;
-    case 5: row_512_n(kind, row, nblk, x, K, out, N, n, b0, 5); break;
-    case 6: row_512_n(kind, row, nblk, x, K, out, N, n, b0, 6); break;
-    case 7: row_512_n(kind, row, nblk, x, K, out, N, n, b0, 7); break;
-    default: row_512_n(kind, row, nblk, x, K, out, N, n, b0, 8); break;
+#define ROW512_CASES(KIND)                                                                          \
+    switch (nb) {                                                                                   \
+    case 1: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 1); break;                         \
+    case 2: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 2); break;                         \
+    case 3: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 3); break;                         \
+    case 4: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 4); break;                         \
+    case 5: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 5); break;                         \
+    case 6: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 6); break;                         \
+    case 7: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 7); break;                         \
+    default: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 8); break;                        \
     }
+
+AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K,
+                           float *out, int ld, int n, int b0, int nb) {
+    if (kind == 0) { ROW512_CASES(0) } else { ROW512_CASES(1) }
 }
 
 /* Bytes per row of a kind's blocks, or 0 for an unknown kind / a K not a multiple of 256. */
@@ -171,20 +232,22 @@ long quill_kq_row_bytes(int kind, int K) {
 }
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K);
- * ld is out's row stride (N for a whole output, more when W is one part of a fused projection).
- * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: this call's OpenMP team. */
-void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *out, int N, int K, int B, int ld, int isa,
-                   int threads) {
+ * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
+ * xs: scratch of B * K / 32 floats. isa: 512 = the AVX-512 rows where the CPU has them, else AVX2;
+ * threads: this call's OpenMP team. */
+void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B, int ld,
+                   int isa, int threads) {
     const long row_bytes = quill_kq_row_bytes(kind, K);
     if (!row_bytes) return;
+    if (kind == 0) kq_group_sums(x, xs, B, K);
     const int wide = quill_isa_used(isa) == 512, nblk = K / QK, tile = wide ? TILE512 : TILE;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = blocks + (long)n * row_bytes;
         for (int b0 = 0; b0 < B; b0 += tile) {
             const int nb = B - b0 < tile ? B - b0 : tile;
-            if (wide) row_512(kind, row, nblk, x, K, out, ld, n, b0, nb);
-            else row_256(kind, row, nblk, x, K, out, ld, n, b0, nb);
+            if (wide) row_512(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
+            else row_256(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
         }
     }
 }
@@ -198,11 +261,12 @@ void quill_dequant_kq(int kind, const uint8_t *blocks, float *out, int N, int K,
     for (int n = 0; n < N; n++)
         for (int b = 0; b < K / QK; b++) {
             const uint8_t *blk = blocks + (long)n * row_bytes + (long)b * bytes;
+            float sc[16], mn[8];
+            block_scales(kind, blk, sc, mn);
             for (int g = 0; g < 8; g++) {
-                float s0, s1, mn;
                 __m256 w[4];
-                const __m256i codes = group_codes(kind, blk, g, &s0, &s1, &mn); /* sets s0, s1, mn first */
-            weights8(kind, codes, s0, s1, mn, w);
+                if (kind == 0) weights8(0, group_codes(0, blk, g), sc[g], sc[g], mn[g], w);
+                else weights8(1, group_codes(1, blk, g), sc[2 * g], sc[2 * g + 1], 0.0f, w);
                 float *o = out + (long)n * K + (long)b * QK + 32 * g;
                 for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, w[i]);
             }
