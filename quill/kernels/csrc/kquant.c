@@ -208,6 +208,45 @@ AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kin
                                        - (kind == 0 ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
 }
 
+/* Q6_K, 16 lanes: a half-block (128 weights) unpacked at once from its 64 low-nibble bytes and 32
+ * high-bit bytes with 512-bit byte ops; each 16 weights scaled once (d * sc * (q - 32), the exact
+ * dequantized weight), then one FMA per item. */
+AVX512 static inline __attribute__((always_inline)) void row_q6k_512_n(const uint8_t *row, int nblk, const float *x,
+                                                                       long K, float *out, int ld, int n, int b0,
+                                                                       const int nb) {
+    __m512 acc[TILE512], acc2[TILE512];
+    for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *blk = row + (long)b * Q6K_BYTES;
+        float sc[16], unused[8];
+        block_scales(1, blk, sc, unused);
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * h));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            /* bytes 0..31: bits for runs 0 and 2 (shift 0 / 4); bytes 32..63: runs 1 and 3 (shift 2 / 6) */
+            const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            const __m512i lo = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(ql, m4),
+                                                               _mm512_slli_epi16(_mm512_and_si512(qh2, m2), 4)), off);
+            const __m512i hi = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), m2), 4)), off);
+            for (int r = 0; r < 4; r++) { /* run r of the half: lo for runs 0, 1 and hi for runs 2, 3 */
+                const __m512i codes = r < 2 ? lo : hi;
+                const int lane = 2 * (r & 1); /* which 32 bytes of the 64 */
+                const float *s = sc + 8 * h + 2 * r;
+                const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, lane))), _mm512_set1_ps(s[0]));
+                const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, lane + 1))), _mm512_set1_ps(s[1]));
+                for (int t = 0; t < nb; t++) {
+                    const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 128 * h + 32 * r;
+                    acc[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[t]);
+                    acc2[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc2[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
+}
+
 #define ROW512_CASES(KIND)                                                                          \
     switch (nb) {                                                                                   \
     case 1: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 1); break;                         \
@@ -220,9 +259,21 @@ AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kin
     default: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 8); break;                        \
     }
 
+#define Q6K_CASES                                                                                   \
+    switch (nb) {                                                                                   \
+    case 1: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 1); break;                               \
+    case 2: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 2); break;                               \
+    case 3: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 3); break;                               \
+    case 4: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 4); break;                               \
+    case 5: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 5); break;                               \
+    case 6: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 6); break;                               \
+    case 7: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 7); break;                               \
+    default: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 8); break;                              \
+    }
+
 AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K,
                            float *out, int ld, int n, int b0, int nb) {
-    if (kind == 0) { ROW512_CASES(0) } else { ROW512_CASES(1) }
+    if (kind == 0) { ROW512_CASES(0) } else { Q6K_CASES }
 }
 
 /* Bytes per row of a kind's blocks, or 0 for an unknown kind / a K not a multiple of 256. */
