@@ -14,8 +14,10 @@ from quill.kernels.dequant import PACKED_TYPES, SUPPORTED_TYPES, dequantize, unp
 from quill.models.gguf import GGUFModelFile, hf_tensor_name, rope_unpermute_index
 
 # Byte offsets of the fp16 fields in each block, overwritten so random blocks stay finite.
-FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
-CODE_RANGES = {Q.Q8_0: (-128, 127), Q.Q4_0: (0, 15), Q.Q4_1: (0, 15), Q.Q4_K: (0, 15), Q.Q5_K: (0, 31), Q.Q6_K: (0, 63)}
+FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
+               Q.Q6_K: [208], Q.IQ4_NL: [0], Q.IQ4_XS: [0]}
+CODE_RANGES = {Q.Q8_0: (-128, 127), Q.Q4_0: (0, 15), Q.Q4_1: (0, 15), Q.Q5_0: (-16, 15), Q.Q5_1: (0, 31),
+               Q.Q4_K: (0, 15), Q.Q5_K: (0, 31), Q.Q6_K: (0, 63), Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113)}
 
 
 def random_tensor(qtype, rows: int, blocks_per_row: int, seed: int = 0) -> tuple[np.ndarray, tuple[int, int]]:
@@ -86,8 +88,8 @@ def test_unsupported_and_malformed_inputs():
     raw, shape = random_tensor(Q.Q4_K, rows=1, blocks_per_row=1)
     with pytest.raises(UnsupportedModelError, match="Q2_K"):
         dequantize(raw, Q.Q2_K, shape)
-    with pytest.raises(UnsupportedModelError, match="IQ4_XS"):
-        unpack_blocks(raw, Q.IQ4_XS, shape)
+    with pytest.raises(UnsupportedModelError, match="IQ2_XXS; quill reads"):
+        unpack_blocks(raw, Q.IQ2_XXS, shape)
     with pytest.raises(ValueError, match="no packed layout"):
         unpack_blocks(np.zeros(32, np.float32), Q.F32, (32,))
     with pytest.raises(ValueError, match="144 bytes"):

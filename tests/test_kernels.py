@@ -37,10 +37,11 @@ def test_unpackable_types_return_none():
 
 
 @needs_native
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS],
+                         ids=lambda t: t.name)
 @pytest.mark.parametrize("batch", [1, 3, 16, 40])
 def test_kernel_matches_fp32_reference(qtype, batch):
-    w, ref = packed(qtype, rows=40, blocks=8 if qtype in (Q.Q4_K, Q.Q5_K) else 5, seed=batch)
+    w, ref = packed(qtype, rows=40, blocks=8 if qtype in (Q.Q4_K, Q.Q5_K) else 5 if qtype != Q.IQ4_XS else 2, seed=batch)
     lin = PackedLinear(w, None, Workspace())
     x = torch.randn(batch, w.cols, generator=torch.Generator().manual_seed(1))
     expected = x.double() @ torch.from_numpy(ref).double().T

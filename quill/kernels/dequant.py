@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 Q = GGMLQuantizationType
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-PACKED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+PACKED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS})
 SUPPORTED_TYPES = FLOAT_TYPES | PACKED_TYPES
 
 _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
@@ -119,7 +119,50 @@ def _unpack_q6_k(blocks: np.ndarray):
     return codes, scale, scale * np.float32(-32.0)  # stored codes are offset by 32
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """(B, 4) uint8 of a little-endian uint32 -> (B, 32) uint8: bit j is the 5th bit of element j."""
+    return (qh[:, :, None] >> _BIT_SHIFTS[None, None, :]).reshape(-1, 32) & np.uint8(1)
+
+
+def _unpack_q5_0(blocks: np.ndarray):
+    scale = _f16(blocks[:, 0:2])
+    low = _low_high_nibbles(blocks[:, None, 6:22]).reshape(-1, 32)  # elements j and j + 16 share byte j
+    codes = (low | (_fifth_bits(blocks[:, 2:6]) << np.uint8(4))).view(np.int8) - np.int8(16)
+    return codes, scale, np.zeros_like(scale)  # d * (q - 16): one product, as gguf computes it
+
+
+def _unpack_q5_1(blocks: np.ndarray):
+    scale, minimum = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    low = _low_high_nibbles(blocks[:, None, 8:24]).reshape(-1, 32)
+    return low | (_fifth_bits(blocks[:, 4:8]) << np.uint8(4)), scale, minimum
+
+
+# IQ4_NL / IQ4_XS: 4-bit indices into this non-linear table of int8 values (ggml-common.h kvalues_iq4nl)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _unpack_iq4_nl(blocks: np.ndarray):
+    scale = _f16(blocks[:, 0:2])
+    return IQ4_VALUES[_low_high_nibbles(blocks[:, None, 2:18]).reshape(-1, 32)], scale, np.zeros_like(scale)
+
+
+def _unpack_iq4_xs(blocks: np.ndarray):
+    # 256 weights: d, then a 6-bit scale per 32 (low 4 bits in scales_l nibbles, high 2 bits in scales_h),
+    # each sub-block's weights d * (scale - 32) * table[index]
+    d = _f16(blocks[:, 0:2])
+    high = blocks[:, 2:4].copy().view(np.uint16).astype(np.uint32)  # (B, 1)
+    low = (blocks[:, 4:8, None] >> _NIBBLE_SHIFTS[None, None, :]).reshape(-1, 8) & np.uint8(0x0F)
+    ls = low.astype(np.int32) | (((high >> (2 * np.arange(8, dtype=np.uint32))) & np.uint32(3)) << np.uint32(4)).astype(np.int32)
+    scale = d * (ls - 32).astype(np.float32)  # (B, 8)
+    codes = IQ4_VALUES[_low_high_nibbles(blocks[:, 8:136].reshape(-1, 8, 16)).reshape(-1, 256)]
+    return codes, scale, np.zeros_like(scale)
+
+
 _UNPACKERS = {
+    Q.Q5_0: _unpack_q5_0,
+    Q.Q5_1: _unpack_q5_1,
+    Q.IQ4_NL: _unpack_iq4_nl,
+    Q.IQ4_XS: _unpack_iq4_xs,
     Q.Q8_0: _unpack_q8_0,
     Q.Q4_0: _unpack_q4_0,
     Q.Q4_1: _unpack_q4_1,
@@ -127,7 +170,8 @@ _UNPACKERS = {
     Q.Q5_K: _unpack_q5_k,
     Q.Q6_K: _unpack_q6_k,
 }
-_GROUP_SIZES = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
+_GROUP_SIZES = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16,
+                Q.IQ4_NL: 32, Q.IQ4_XS: 32}
 
 
 def _check_type(qtype) -> GGMLQuantizationType:

@@ -2,7 +2,7 @@
 
 Two layouts cover the 32-weight block types (value = scale[n, g] * code + min[n, g]):
   q4  codes 0..15, two per byte in GGUF's Q4_0/Q4_1 order   <- Q4_0, Q4_1
-  q8  one signed byte per code                               <- Q8_0, Q5_K
+  q8  one signed byte per code          <- Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS (table values as codes)
 Q4_K and Q6_K keep GGUF's own super-blocks (quill.kernels.kquant.BlockWeight). A fused projection
 whose parts the file stores in different types is a SplitWeight of its parts. Other types
 (F16/BF16/F32) stay on the dense fp32 path.
@@ -25,7 +25,7 @@ from quill.kernels.dequant import unpack_blocks
 GROUP = 32
 SMALL_BATCH = 16  # up to this many rows always go through the GEMV kernel
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
-PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K})
+PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS})
 
 
 class GroupWeight:
