@@ -1,4 +1,4 @@
-"""GGUF K-quant blocks kept as they are (Q4_K, Q6_K): exact dequantization, GEMV accuracy on both
+"""GGUF blocks kept as they are (Q4_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS): exact dequantization, GEMV accuracy on both
 ISAs, batch invariance, split projections of mixed types, and a model whose file mixes them the
 way llama.cpp's Q4_K_M recipe does, on the fused and the torch decode path."""
 
@@ -21,7 +21,7 @@ from quill.kernels.packed import PackedLinear, PackedWeight, SplitWeight, Worksp
 from test_gguf import random_tensor
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels need x86-64 AVX2/FMA and gcc")
-KQ = [Q.Q4_K, Q.Q6_K]
+KQ = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.IQ4_NL, Q.IQ4_XS]
 
 
 def isas():
@@ -96,9 +96,13 @@ def test_split_projection_of_mixed_types(isa):
 # A Q4_K_M-like mix (llama.cpp's recipe gives attn_v, ffn_down and the output Q6_K in some or all layers).
 MIX = {"token_embd": Q.Q4_K, "output": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K,
        "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K}
+# Where rows do not fit 256 (Gemma's 1152) llama.cpp falls back to Q5_0; IQ4_XS recipes write IQ4_NL there.
+MIX_32 = {"token_embd": Q.IQ4_NL, "output": Q.Q6_K, "attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0,
+          "attn_output": Q.IQ4_XS, "ffn_gate": Q.IQ4_XS, "ffn_up": Q.IQ4_NL, "ffn_down": Q.IQ4_XS}
+FP16_AT = {Q.Q4_K: (0, 4), Q.Q6_K: (208, 210), Q.Q5_0: (0, 2), Q.IQ4_NL: (0, 2), Q.IQ4_XS: (0, 2), Q.Q8_0: (0, 2)}
 
 
-def write_mixed_gguf(path, hidden=256, inter=512, layers=2, heads=4, kv_heads=2, vocab=300):
+def write_mixed_gguf(path, mix=MIX, hidden=256, inter=512, layers=2, heads=4, kv_heads=2, vocab=300):
     writer = gguf.GGUFWriter(str(path), "llama")
     for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 256),
                        (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, inter),
@@ -115,19 +119,19 @@ def write_mixed_gguf(path, hidden=256, inter=512, layers=2, heads=4, kv_heads=2,
     rng = np.random.default_rng(0)
 
     def add(name, kind, rows, cols, seed):
-        raw, _ = random_tensor(kind, rows, cols // 256, seed)
-        if kind == Q.Q6_K:  # keep activations sane: small block scales
-            raw.reshape(-1, 210)[:, 208:210] = (rng.uniform(-2e-3, 2e-3, (raw.size // 210, 1))).astype(np.float16).view(np.uint8)
-        else:
-            raw.reshape(-1, 144)[:, 0:4] = (rng.uniform(0, 4e-3, (raw.size // 144, 2))).astype(np.float16).view(np.uint8)
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw, _ = random_tensor(kind, rows, cols // block, seed)
+        lo, hi = FP16_AT[kind]  # keep activations sane: small block scales
+        fields = raw.reshape(-1, size)[:, lo:hi]
+        fields[:] = rng.uniform(-2e-3, 2e-3, (fields.shape[0], (hi - lo) // 2)).astype(np.float16).view(np.uint8)
         writer.add_tensor(name, raw, raw_dtype=kind)
 
-    add("token_embd.weight", MIX["token_embd"], vocab, hidden, 1)
+    add("token_embd.weight", mix["token_embd"], vocab, hidden, 1)
     writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-    add("output.weight", MIX["output"], vocab, hidden, 2)
+    add("output.weight", mix["output"], vocab, hidden, 2)
     for i in range(layers):
         for j, (kind, (rows, cols)) in enumerate(shapes.items()):
-            add(f"blk.{i}.{kind}.weight", MIX[kind], rows, cols, 10 * i + j + 3)
+            add(f"blk.{i}.{kind}.weight", mix[kind], rows, cols, 10 * i + j + 3)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     writer.write_header_to_file()
@@ -137,7 +141,8 @@ def write_mixed_gguf(path, hidden=256, inter=512, layers=2, heads=4, kv_heads=2,
 
 
 @needs_native
-def test_mixed_k_quant_model_decodes_on_the_fused_path(tmp_path):
+@pytest.mark.parametrize("mix", [MIX, MIX_32], ids=["q4_k_m", "q5_0-iq4"])
+def test_mixed_model_decodes_on_the_fused_path(tmp_path, mix):
     """Packed (blocks as in the file, q/k/v a split of Q4_K and Q6_K) against the same file loaded
     dense (gguf's dequantization, fp32, torch path): prefill and 8 decode steps within 1e-5 of the
     logits' scale, with
@@ -151,12 +156,13 @@ def test_mixed_k_quant_model_decodes_on_the_fused_path(tmp_path):
     from quill.sampling_params import SamplingParams
 
     path = tmp_path / "mix.gguf"
-    write_mixed_gguf(path)
+    write_mixed_gguf(path, mix)
     gf = GGUFModelFile(path)
     packed = LlamaForCausalLM(gf.model_config(), PackedGGUFWeights(gf, "cpu", collections.Counter()))
     dense = LlamaForCausalLM(gf.model_config(), DenseWeights(gf.dequantize_tensor))
     assert isinstance(packed.layers[0].self_attn.qkv_proj.weight, SplitWeight)
     assert isinstance(packed.lm_head.weight, BlockWeight) and isinstance(packed.layers[1].mlp.down_proj.weight, BlockWeight)
+    assert isinstance(packed.layers[1].mlp.gate_up_proj.weight, BlockWeight if mix is MIX else SplitWeight)
     tensor_bytes = sum(t.n_bytes for t in gf._reader.tensors)
     assert packed.resident_bytes() <= 1.1 * tensor_bytes
 

@@ -111,29 +111,14 @@ def _rope_parameters(config) -> dict:
 
 
 def llama3_rope_freqs(config):
-    """The rope_freqs.weight llama.cpp's converter writes for "llama3" scaling: per rotary frequency
-    1 for wavelengths under original/high_freq_factor, `factor` above original/low_freq_factor, and
-    1 / ((1 - smooth) / factor + smooth) in between (convert_hf_to_gguf.py, LlamaModel)."""
-    import math
-
-    import numpy as np
+    """The rope_freqs.weight llama.cpp's converter writes for "llama3" scaling (the rule is quill bench
+    synth's, which writes it for real-shaped files)."""
+    from quill.bench.synth import llama3_rope_freqs as freqs
 
     rope = _rope_parameters(config)
-    head_dim = config.hidden_size // config.num_attention_heads
-    base = rope["rope_theta"]
-    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old = rope["original_max_position_embeddings"]
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi / (1.0 / base ** (i / head_dim))
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+    return freqs(config.hidden_size // config.num_attention_heads, rope["rope_theta"], rope["factor"],
+                 rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0),
+                 rope["original_max_position_embeddings"])
 
 
 def write_llama_gguf(hf_model, path, *, rope_freqs: bool = True, arch: str = "llama") -> None:

@@ -111,6 +111,9 @@ def _qweight(linear, keep: list) -> QWeight | None:
     return None
 
 
+BLOCKS_KIND, SPLIT_KIND = 7, 20  # decode_layer.c's BLOCKS_FIRST (+ kquant.c's kind) and SPLIT
+
+
 def _layout(w, keep: list) -> QWeight | None:
     """A resident weight as the kernel's QWeight (no bias), or None for a layout it has no code for."""
     from quill.kernels.kquant import BlockWeight
@@ -123,9 +126,9 @@ def _layout(w, keep: list) -> QWeight | None:
             return None
         array = (QWeight * len(parts))(*parts)
         keep.append(array)
-        return QWeight(10, w.rows, w.groups, None, None, None, None, array, len(parts))
+        return QWeight(SPLIT_KIND, w.rows, w.groups, None, None, None, None, array, len(parts))
     if isinstance(w, BlockWeight):
-        return QWeight(7 + w.kind, w.rows, w.groups, w.blocks.data_ptr(), None, None, None)
+        return QWeight(BLOCKS_KIND + w.kind, w.rows, w.groups, w.blocks.data_ptr(), None, None, None)
     if isinstance(w, PackedWeight):
         return QWeight(0 if w.kind == "q4" else 1, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(),
                        w.mins.data_ptr(), None)

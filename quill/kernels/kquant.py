@@ -1,4 +1,4 @@
-"""Weights kept in GGUF's own K-quant blocks (Q4_K, Q6_K): as many bytes in memory as in the file.
+"""Weights kept in GGUF's own blocks (Q4_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS): as many bytes in memory as in the file.
 
 The C kernels (csrc/kquant.c) compute a GEMV or small GEMM straight from the blocks with fp32
 activations, and dequantize rows for prefill tiles and embedding lookups; both give exactly the
@@ -16,9 +16,9 @@ from gguf import GGMLQuantizationType as Q
 from quill.kernels import native, options
 from quill.kernels.packed import GroupWeight
 
-BLOCK = 256  # weights per super-block
-KINDS = {Q.Q4_K: 0, Q.Q6_K: 1}  # GGUF type -> the kernels' kind
-BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
+KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.Q5_0: 2, Q.IQ4_NL: 3, Q.IQ4_XS: 4}  # GGUF type -> the kernels' kind
+BLOCK_WEIGHTS = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q5_0: 32, Q.IQ4_NL: 32, Q.IQ4_XS: 256}
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_0: 22, Q.IQ4_NL: 18, Q.IQ4_XS: 136}
 
 
 @dataclass
@@ -81,8 +81,8 @@ def block_weight(qtype, shape: tuple[int, ...], raw: np.ndarray) -> BlockWeight 
     """A GGUF tensor's raw blocks as a BlockWeight (one copy of the bytes, out of the read-only map), or
     None if the type or shape has no block kernel."""
     qtype = Q(qtype)
-    if qtype not in KINDS or len(shape) != 2 or shape[1] % BLOCK:
+    if qtype not in KINDS or len(shape) != 2 or shape[1] % BLOCK_WEIGHTS[qtype]:
         return None
     rows, cols = shape
-    blocks = np.asarray(raw).view(np.uint8).reshape(rows, cols // BLOCK * BLOCK_BYTES[qtype])
+    blocks = np.asarray(raw).view(np.uint8).reshape(rows, cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype])
     return BlockWeight(qtype, torch.from_numpy(np.array(blocks, copy=True)), cols)

@@ -25,12 +25,13 @@ int quill_isa_used(int isa);
 
 typedef struct QWeight {
     int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 + k = AMX-tiled kind k,
-                 7 + k = GGUF K-quant blocks of kind k (0 = Q4_K, 1 = Q6_K), 10 = split: `parts` stacked */
+                 7 + k = GGUF blocks of kquant.c's kind k (0..4: Q4_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS),
+                 SPLIT = `parts` stacked */
     int rows, groups;
     const void *codes;
     const void *scale, *mins; /* fp32, or fp16 for AMX-tiled kinds with bit 1 */
     const float *bias;
-    const struct QWeight *parts; /* kind 10: the parts, each writing its rows of the output */
+    const struct QWeight *parts; /* kind SPLIT: the parts, each writing its rows of the output */
     int nparts;
 } QWeight;
 
@@ -126,14 +127,19 @@ static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
     return hsum8(acc);
 }
 
+#define BLOCKS_FIRST 7 /* QWeight kinds BLOCKS_FIRST + k: kquant.c's kind k */
+#define BLOCKS_LAST 11
+#define SPLIT 20
+
 /* out (B, ld) columns [0, w->rows) = x (B, K) @ W.T, without the bias. */
 static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B, int ld) {
     int N = w->rows, K = w->groups * 32, nt = team(m);
     if (w->kind == 0) quill_gemv_q4_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind == 1) quill_gemv_q8_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind >= 3 && w->kind < 7) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums, nt);
-    else if (w->kind == 7 || w->kind == 8) quill_gemv_kq(w->kind - 7, w->codes, x, sums, out, N, K, B, ld, m->isa, nt);
-    else if (w->kind == 10) {
+    else if (w->kind >= BLOCKS_FIRST && w->kind <= BLOCKS_LAST)
+        quill_gemv_kq(w->kind - BLOCKS_FIRST, w->codes, x, sums, out, N, K, B, ld, m->isa, nt);
+    else if (w->kind == SPLIT) {
         for (int p = 0, r = 0; p < w->nparts; r += w->parts[p].rows, p++) gemv_ld(m, &w->parts[p], x, sums, out + r, B, ld);
     } else {
         const float *W = (const float *)w->codes;

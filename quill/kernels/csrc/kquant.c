@@ -276,13 +276,121 @@ AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *
     if (kind == 0) { ROW512_CASES(0) } else { Q6K_CASES }
 }
 
-/* Bytes per row of a kind's blocks, or 0 for an unknown kind / a K not a multiple of 256. */
-long quill_kq_row_bytes(int kind, int K) {
-    if (K % QK || (kind != 0 && kind != 1)) return 0;
-    return (long)(K / QK) * (kind == 0 ? Q4K_BYTES : Q6K_BYTES);
+/* ---- Formats read 32 weights at a time with one scale per 32: Q5_0 (kind 2), IQ4_NL (3), IQ4_XS (4).
+ * Each group's codes become signed bytes (Q5_0: q - 16; IQ4: the format's table value for each 4-bit
+ * index, looked up with a byte shuffle) and its scale an fp32 (Q5_0, IQ4_NL: d; IQ4_XS: d * (ls - 32)
+ * with ls the group's 6-bit scale). weight = scale * code, exactly gguf's. The GEMV sums
+ * scale * (codes . x) per group in a fixed order. Layouts: ggml-common.h block_q5_0, block_iq4_nl,
+ * block_iq4_xs, and the kvalues_iq4nl table. */
+
+#define Q5_0_BYTES 22
+#define IQ4NL_BYTES 18
+#define IQ4XS_BYTES 136
+static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* 16 bytes of nibbles -> 32 bytes: byte j's low nibble is element j, its high nibble element j + 16. */
+static inline __m256i nibbles32(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
 }
 
-/* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K);
+/* Group gi of a row: its 32 signed codes, and its scale in *scale. */
+static inline __m256i g32_codes(int kind, const uint8_t *row, int gi, float *scale) {
+    if (kind == 2) {
+        const uint8_t *blk = row + (long)gi * Q5_0_BYTES;
+        *scale = f16(blk);
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        /* bit j of qh -> 0x10 in byte j: each byte picks qh's byte j / 8, then tests its bit j % 8 */
+        const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+        const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
+        const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), fifth), _mm256_set1_epi8(16));
+    }
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
+    if (kind == 3) {
+        const uint8_t *blk = row + (long)gi * IQ4NL_BYTES;
+        *scale = f16(blk);
+        return _mm256_shuffle_epi8(table, nibbles32(blk + 2));
+    }
+    const uint8_t *blk = row + (long)(gi >> 3) * IQ4XS_BYTES;
+    const int ib = gi & 7;
+    const int high = (blk[2] | (blk[3] << 8)) >> (2 * ib) & 3, low = (blk[4 + ib / 2] >> (4 * (ib % 2))) & 15;
+    *scale = f16(blk) * (float)((low | (high << 4)) - 32);
+    return _mm256_shuffle_epi8(table, nibbles32(blk + 8 + 16 * ib));
+}
+
+static void g32_row_256(int kind, const uint8_t *row, int G, const float *x, long K, float *out, int ld, int n, int b0,
+                        int nb) {
+    __m256 acc[TILE], acc2[TILE];
+    for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        float s;
+        const __m256i codes = g32_codes(kind, row, g, &s);
+        __m256 w[4];
+        codes8(1, codes, w);
+        const __m256 sv = _mm256_set1_ps(s);
+        for (int t = 0; t < nb; t++) {
+            const float *xg = x + (long)(b0 + t) * K + 32L * g;
+            acc[t] = _mm256_fmadd_ps(sv, _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xg))), acc[t]);
+            acc2[t] = _mm256_fmadd_ps(sv, _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), _mm256_mul_ps(w[2], _mm256_loadu_ps(xg + 16))), acc2[t]);
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(_mm256_add_ps(acc[t], acc2[t]));
+}
+
+AVX512 static inline __attribute__((always_inline)) void g32_row_512_n(const int kind, const uint8_t *row, int G,
+                                                                       const float *x, long K, float *out, int ld,
+                                                                       int n, int b0, const int nb) {
+    __m512 acc[TILE512], acc2[TILE512];
+    for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        float s;
+        __m512 w[2];
+        codes16(1, g32_codes(kind, row, g, &s), w);
+        const __m512 sv = _mm512_set1_ps(s);
+        __m512 *into = (g & 1) ? acc2 : acc; /* even and odd groups: two independent chains */
+        for (int t = 0; t < nb; t++) {
+            const float *xg = x + (long)(b0 + t) * K + 32L * g;
+            into[t] = _mm512_fmadd_ps(sv, _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))), into[t]);
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
+}
+
+#define G32_CASES(KIND)                                                                             \
+    switch (nb) {                                                                                   \
+    case 1: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 1); break;                            \
+    case 2: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 2); break;                            \
+    case 3: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 3); break;                            \
+    case 4: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 4); break;                            \
+    case 5: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 5); break;                            \
+    case 6: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 6); break;                            \
+    case 7: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 7); break;                            \
+    default: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 8); break;                           \
+    }
+
+AVX512 static void g32_row_512(int kind, const uint8_t *row, int G, const float *x, long K, float *out, int ld, int n,
+                               int b0, int nb) {
+    if (kind == 2) { G32_CASES(2) } else if (kind == 3) { G32_CASES(3) } else { G32_CASES(4) }
+}
+
+/* Bytes per row of a kind's blocks, or 0 for an unknown kind / a K not a multiple of 256. */
+long quill_kq_row_bytes(int kind, int K) {
+    switch (kind) {
+    case 0: return K % QK ? 0 : (long)(K / QK) * Q4K_BYTES;
+    case 1: return K % QK ? 0 : (long)(K / QK) * Q6K_BYTES;
+    case 2: return K % 32 ? 0 : (long)(K / 32) * Q5_0_BYTES;
+    case 3: return K % 32 ? 0 : (long)(K / 32) * IQ4NL_BYTES;
+    case 4: return K % QK ? 0 : (long)(K / QK) * IQ4XS_BYTES;
+    default: return 0;
+    }
+}
+
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
+ * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS);
  * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
  * xs: scratch of B * K / 32 floats. isa: 512 = the AVX-512 rows where the CPU has them, else AVX2;
  * threads: this call's OpenMP team. */
@@ -297,7 +405,8 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
         const uint8_t *row = blocks + (long)n * row_bytes;
         for (int b0 = 0; b0 < B; b0 += tile) {
             const int nb = B - b0 < tile ? B - b0 : tile;
-            if (wide) row_512(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
+            if (kind >= 2) (wide ? g32_row_512 : g32_row_256)(kind, row, K / 32, x, K, out, ld, n, b0, nb);
+            else if (wide) row_512(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
             else row_256(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
         }
     }
@@ -307,6 +416,18 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
 void quill_dequant_kq(int kind, const uint8_t *blocks, float *out, int N, int K, int threads) {
     const long row_bytes = quill_kq_row_bytes(kind, K);
     if (!row_bytes) return;
+    if (kind >= 2) { /* weight = scale * code, one product as gguf computes it */
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+        for (int n = 0; n < N; n++)
+            for (int g = 0; g < K / 32; g++) {
+                float s;
+                __m256 w[4];
+                codes8(1, g32_codes(kind, blocks + (long)n * row_bytes, g, &s), w);
+                float *o = out + (long)n * K + 32L * g;
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(w[i], _mm256_set1_ps(s)));
+            }
+        return;
+    }
     const int bytes = kind == 0 ? Q4K_BYTES : Q6K_BYTES;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++)
