@@ -25,7 +25,7 @@ from quill.kernels.dequant import unpack_blocks
 GROUP = 32
 SMALL_BATCH = 16  # up to this many rows always go through the GEMV kernel
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
-PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS})
+PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16})
 
 
 class GroupWeight:

@@ -28,6 +28,9 @@
 #define QK 256
 #define Q4K_BYTES 144
 #define Q6K_BYTES 210
+#define Q5K_BYTES 176
+#define HAS_MIN(kind) ((kind) == 0 || (kind) == 5) /* Q4_K and Q5_K: weight = d sc q - dmin m, q unsigned */
+#define SUPER_BYTES(kind) ((kind) == 0 ? Q4K_BYTES : (kind) == 5 ? Q5K_BYTES : Q6K_BYTES)
 
 int quill_isa_used(int isa);
 
@@ -46,10 +49,12 @@ static inline void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
 
 /* One group's 32 codes as bytes: Q4_K 0..15 unsigned, Q6_K q - 32 signed. */
 static inline __m256i group_codes(int kind, const uint8_t *blk, int g) {
-    if (kind == 0) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (g >> 1)));
-        const __m256i nib = (g & 1) ? _mm256_srli_epi16(raw, 4) : raw;
-        return _mm256_and_si256(nib, _mm256_set1_epi8(15));
+    if (HAS_MIN(kind)) { /* Q5_K: the nibbles start after 32 bytes whose bit g is each element's fifth bit */
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (kind == 5 ? 48 : 16) + 32 * (g >> 1)));
+        const __m256i nib = _mm256_and_si256((g & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+        if (kind == 0) return nib;
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        return _mm256_or_si256(nib, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1)), 4));
     }
     const int h = g >> 2, sub = g & 3; /* half of the block, and which of its four 32-runs */
     const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (sub & 1)));
@@ -64,7 +69,7 @@ static inline __m256i group_codes(int kind, const uint8_t *blk, int g) {
 static inline void codes8(int kind, __m256i codes, __m256 w[4]) {
     const __m128i a = _mm256_castsi256_si128(codes), c = _mm256_extracti128_si256(codes, 1);
     __m256i v[4];
-    if (kind == 0) {
+    if (HAS_MIN(kind)) {
         v[0] = _mm256_cvtepu8_epi32(a);
         v[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(a, 8));
         v[2] = _mm256_cvtepu8_epi32(c);
@@ -92,7 +97,7 @@ static inline void weights8(int kind, __m256i codes, float s0, float s1, float m
  * q4k_scale_min above): scales 0-3 = u0 & 0x3f.., mins 0-3 = u1 & 0x3f..,
  * scales 4-7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, mins 4-7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4. */
 static inline void block_scales(int kind, const uint8_t *blk, float *sc, float *mn) {
-    if (kind == 0) {
+    if (HAS_MIN(kind)) {
         uint32_t u[3], v[4];
         memcpy(u, blk + 4, 12);
         v[0] = u[0] & 0x3f3f3f3fu;
@@ -141,7 +146,7 @@ static void kq_group_sums(const float *x, float *xs, int B, int K) {
 /* Row n for items [b0, b0 + nb), nb <= TILE: 8 lanes wide. */
 static void row_256(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K, float *out,
                     int ld, int n, int b0, int nb) {
-    const int bytes = kind == 0 ? Q4K_BYTES : Q6K_BYTES;
+    const int bytes = SUPER_BYTES(kind);
     __m256 acc[TILE], acc2[TILE];
     float mrow[8 * nblk]; /* the row's Q4_K mins, dotted with the group sums at the end */
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm256_setzero_ps();
@@ -152,7 +157,7 @@ static void row_256(int kind, const uint8_t *row, int nblk, const float *x, cons
         for (int g = 0; g < 8; g++) {
             __m256 w[4];
             codes8(kind, group_codes(kind, blk, g), w);
-            const __m256 a = _mm256_set1_ps(kind == 0 ? sc[g] : sc[2 * g]), c = _mm256_set1_ps(kind == 0 ? sc[g] : sc[2 * g + 1]);
+            const __m256 a = _mm256_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g]), c = _mm256_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g + 1]);
             for (int t = 0; t < nb; t++) {
                 const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
                 acc[t] = _mm256_fmadd_ps(a, _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xg))), acc[t]);
@@ -162,7 +167,7 @@ static void row_256(int kind, const uint8_t *row, int nblk, const float *x, cons
     }
     for (int t = 0; t < nb; t++)
         out[(long)(b0 + t) * ld + n] = hsum8(_mm256_add_ps(acc[t], acc2[t]))
-                                       - (kind == 0 ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
+                                       - (HAS_MIN(kind) ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
 }
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -171,8 +176,8 @@ static void row_256(int kind, const uint8_t *row, int nblk, const float *x, cons
 /* codes (32 bytes) -> two 16-wide float vectors of the plain codes. */
 AVX512 static inline void codes16(int kind, __m256i codes, __m512 w[2]) {
     const __m128i a = _mm256_castsi256_si128(codes), c = _mm256_extracti128_si256(codes, 1);
-    w[0] = _mm512_cvtepi32_ps(kind == 0 ? _mm512_cvtepu8_epi32(a) : _mm512_cvtepi8_epi32(a));
-    w[1] = _mm512_cvtepi32_ps(kind == 0 ? _mm512_cvtepu8_epi32(c) : _mm512_cvtepi8_epi32(c));
+    w[0] = _mm512_cvtepi32_ps(HAS_MIN(kind) ? _mm512_cvtepu8_epi32(a) : _mm512_cvtepi8_epi32(a));
+    w[1] = _mm512_cvtepi32_ps(HAS_MIN(kind) ? _mm512_cvtepu8_epi32(c) : _mm512_cvtepi8_epi32(c));
 }
 
 /* Row n for items [b0, b0 + nb): 16 lanes wide, inlined per constant kind and nb so the accumulators
@@ -180,7 +185,7 @@ AVX512 static inline void codes16(int kind, __m256i codes, __m512 w[2]) {
 AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kind, const uint8_t *row, int nblk,
                                                                    const float *x, const float *xs, long K,
                                                                    float *out, int ld, int n, int b0, const int nb) {
-    const int bytes = kind == 0 ? Q4K_BYTES : Q6K_BYTES;
+    const int bytes = SUPER_BYTES(kind);
     __m512 acc[TILE512], acc2[TILE512];
     float mrow[8 * nblk]; /* the row's Q4_K mins, dotted with the group sums at the end */
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
@@ -191,10 +196,10 @@ AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kin
         for (int g = 0; g < 8; g++) {
             __m512 w[2];
             codes16(kind, group_codes(kind, blk, g), w);
-            const __m512 a = _mm512_set1_ps(kind == 0 ? sc[g] : sc[2 * g]), c = _mm512_set1_ps(kind == 0 ? sc[g] : sc[2 * g + 1]);
+            const __m512 a = _mm512_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g]), c = _mm512_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g + 1]);
             for (int t = 0; t < nb; t++) {
                 const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
-                if (kind == 0) { /* one scale for the group: one product, then the scaled add */
+                if (HAS_MIN(kind)) { /* one scale for the group: one product, then the scaled add */
                     acc[t] = _mm512_fmadd_ps(a, _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))), acc[t]);
                 } else {
                     acc[t] = _mm512_fmadd_ps(a, _mm512_mul_ps(w[0], _mm512_loadu_ps(xg)), acc[t]);
@@ -205,7 +210,7 @@ AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kin
     }
     for (int t = 0; t < nb; t++)
         out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]))
-                                       - (kind == 0 ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
+                                       - (HAS_MIN(kind) ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
 }
 
 /* Q6_K, 16 lanes: a half-block (128 weights) unpacked at once from its 64 low-nibble bytes and 32
@@ -273,7 +278,7 @@ AVX512 static inline __attribute__((always_inline)) void row_q6k_512_n(const uin
 
 AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K,
                            float *out, int ld, int n, int b0, int nb) {
-    if (kind == 0) { ROW512_CASES(0) } else { Q6K_CASES }
+    if (kind == 0) { ROW512_CASES(0) } else if (kind == 5) { ROW512_CASES(5) } else { Q6K_CASES }
 }
 
 /* ---- Formats read 32 weights at a time with one scale per 32: Q5_0 (kind 2), IQ4_NL (3), IQ4_XS (4).
@@ -377,6 +382,65 @@ AVX512 static void g32_row_512(int kind, const uint8_t *row, int G, const float 
     if (kind == 2) { G32_CASES(2) } else if (kind == 3) { G32_CASES(3) } else { G32_CASES(4) }
 }
 
+/* ---- 16-bit float weights (F16: kind 6, BF16: kind 7) kept 16-bit: widened to fp32 exactly on load. */
+
+static inline __m256 half8(int kind, const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return kind == 6 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static void f16_row_256(int kind, const uint16_t *row, const float *x, long K, float *out, int ld, int n, int b0, int nb) {
+    __m256 acc[TILE], acc2[TILE];
+    for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm256_setzero_ps();
+    for (long i = 0; i < K; i += 16) {
+        const __m256 w0 = half8(kind, row + i), w1 = half8(kind, row + i + 8);
+        for (int t = 0; t < nb; t++) {
+            const float *xi = x + (long)(b0 + t) * K + i;
+            acc[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc[t]);
+            acc2[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc2[t]);
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(_mm256_add_ps(acc[t], acc2[t]));
+}
+
+AVX512 static inline __m512 half16(int kind, const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return kind == 6 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+AVX512 static inline __attribute__((always_inline)) void f16_row_512_n(const int kind, const uint16_t *row,
+                                                                       const float *x, long K, float *out, int ld,
+                                                                       int n, int b0, const int nb) {
+    __m512 acc[TILE512], acc2[TILE512];
+    for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
+    for (long i = 0; i < K; i += 32) {
+        const __m512 w0 = half16(kind, row + i), w1 = half16(kind, row + i + 16);
+        for (int t = 0; t < nb; t++) {
+            const float *xi = x + (long)(b0 + t) * K + i;
+            acc[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[t]);
+            acc2[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), acc2[t]);
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
+}
+
+#define F16_CASES(KIND)                                                                             \
+    switch (nb) {                                                                                   \
+    case 1: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 1); break;                               \
+    case 2: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 2); break;                               \
+    case 3: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 3); break;                               \
+    case 4: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 4); break;                               \
+    case 5: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 5); break;                               \
+    case 6: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 6); break;                               \
+    case 7: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 7); break;                               \
+    default: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 8); break;                              \
+    }
+
+AVX512 static void f16_row_512(int kind, const uint16_t *row, const float *x, long K, float *out, int ld, int n, int b0,
+                               int nb) {
+    if (kind == 6) { F16_CASES(6) } else { F16_CASES(7) }
+}
+
 /* Bytes per row of a kind's blocks, or 0 for an unknown kind / a K not a multiple of 256. */
 long quill_kq_row_bytes(int kind, int K) {
     switch (kind) {
@@ -385,12 +449,14 @@ long quill_kq_row_bytes(int kind, int K) {
     case 2: return K % 32 ? 0 : (long)(K / 32) * Q5_0_BYTES;
     case 3: return K % 32 ? 0 : (long)(K / 32) * IQ4NL_BYTES;
     case 4: return K % QK ? 0 : (long)(K / QK) * IQ4XS_BYTES;
+    case 5: return K % QK ? 0 : (long)(K / QK) * Q5K_BYTES;
+    case 6: case 7: return K % 32 ? 0 : 2L * K; /* F16, BF16 */
     default: return 0;
     }
 }
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
- * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS);
+ * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS, 5 = Q5_K, 6 = F16, 7 = BF16);
  * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
  * xs: scratch of B * K / 32 floats. isa: 512 = the AVX-512 rows where the CPU has them, else AVX2;
  * threads: this call's OpenMP team. */
@@ -398,14 +464,16 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
                    int isa, int threads) {
     const long row_bytes = quill_kq_row_bytes(kind, K);
     if (!row_bytes) return;
-    if (kind == 0) kq_group_sums(x, xs, B, K);
+    if (HAS_MIN(kind)) kq_group_sums(x, xs, B, K);
     const int wide = quill_isa_used(isa) == 512, nblk = K / QK, tile = wide ? TILE512 : TILE;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = blocks + (long)n * row_bytes;
         for (int b0 = 0; b0 < B; b0 += tile) {
             const int nb = B - b0 < tile ? B - b0 : tile;
-            if (kind >= 2) (wide ? g32_row_512 : g32_row_256)(kind, row, K / 32, x, K, out, ld, n, b0, nb);
+            if (kind == 6 || kind == 7)
+                (wide ? f16_row_512 : f16_row_256)(kind, (const uint16_t *)row, x, K, out, ld, n, b0, nb);
+            else if (kind >= 2 && kind <= 4) (wide ? g32_row_512 : g32_row_256)(kind, row, K / 32, x, K, out, ld, n, b0, nb);
             else if (wide) row_512(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
             else row_256(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
         }
@@ -416,7 +484,14 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
 void quill_dequant_kq(int kind, const uint8_t *blocks, float *out, int N, int K, int threads) {
     const long row_bytes = quill_kq_row_bytes(kind, K);
     if (!row_bytes) return;
-    if (kind >= 2) { /* weight = scale * code, one product as gguf computes it */
+    if (kind == 6 || kind == 7) {
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+        for (int n = 0; n < N; n++)
+            for (long i = 0; i < K; i += 8)
+                _mm256_storeu_ps(out + (long)n * K + i, half8(kind, (const uint16_t *)(blocks + (long)n * row_bytes) + i));
+        return;
+    }
+    if (kind >= 2 && kind <= 4) { /* weight = scale * code, one product as gguf computes it */
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
         for (int n = 0; n < N; n++)
             for (int g = 0; g < K / 32; g++) {
@@ -428,7 +503,7 @@ void quill_dequant_kq(int kind, const uint8_t *blocks, float *out, int N, int K,
             }
         return;
     }
-    const int bytes = kind == 0 ? Q4K_BYTES : Q6K_BYTES;
+    const int bytes = SUPER_BYTES(kind);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++)
         for (int b = 0; b < K / QK; b++) {
@@ -437,7 +512,7 @@ void quill_dequant_kq(int kind, const uint8_t *blocks, float *out, int N, int K,
             block_scales(kind, blk, sc, mn);
             for (int g = 0; g < 8; g++) {
                 __m256 w[4];
-                if (kind == 0) weights8(0, group_codes(0, blk, g), sc[g], sc[g], mn[g], w);
+                if (HAS_MIN(kind)) weights8(kind, group_codes(kind, blk, g), sc[g], sc[g], mn[g], w);
                 else weights8(1, group_codes(1, blk, g), sc[2 * g], sc[2 * g + 1], 0.0f, w);
                 float *o = out + (long)n * K + (long)b * QK + 32 * g;
                 for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, w[i]);
