@@ -299,11 +299,10 @@ static inline __m256i nibbles32(const uint8_t *p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
 }
 
-/* Group gi of a row: its 32 signed codes, and its scale in *scale. */
-static inline __m256i g32_codes(int kind, const uint8_t *row, int gi, float *scale) {
+/* Group gi of a row: its 32 signed codes. */
+static inline __m256i g32_codes(int kind, const uint8_t *row, int gi) {
     if (kind == 2) {
         const uint8_t *blk = row + (long)gi * Q5_0_BYTES;
-        *scale = f16(blk);
         uint32_t qh;
         memcpy(&qh, blk + 2, 4);
         /* bit j of qh -> 0x10 in byte j: each byte picks qh's byte j / 8, then tests its bit j % 8 */
@@ -315,28 +314,39 @@ static inline __m256i g32_codes(int kind, const uint8_t *row, int gi, float *sca
         return _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), fifth), _mm256_set1_epi8(16));
     }
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
-    if (kind == 3) {
-        const uint8_t *blk = row + (long)gi * IQ4NL_BYTES;
-        *scale = f16(blk);
-        return _mm256_shuffle_epi8(table, nibbles32(blk + 2));
+    if (kind == 3) return _mm256_shuffle_epi8(table, nibbles32(row + (long)gi * IQ4NL_BYTES + 2));
+    return _mm256_shuffle_epi8(table, nibbles32(row + (long)(gi >> 3) * IQ4XS_BYTES + 8 + 16 * (gi & 7)));
+}
+
+/* Group g's scale: Q5_0 and IQ4_NL read their block's d; IQ4_XS's come from `pre` (g32_scales). */
+static inline float g32_scale(int kind, const uint8_t *row, int g, const float *pre) {
+    return kind == 4 ? pre[g] : f16(row + (long)g * (kind == 2 ? Q5_0_BYTES : IQ4NL_BYTES));
+}
+
+/* IQ4_XS: the scales of a row's G groups, d * (ls - 32), each super-block's d and bits read once. */
+static inline void g32_scales(int kind, const uint8_t *row, int G, float *s) {
+    if (kind != 4) return;
+    for (int b = 0; b < G / 8; b++) {
+        const uint8_t *blk = row + (long)b * IQ4XS_BYTES;
+        const float d = f16(blk);
+        const int high = blk[2] | (blk[3] << 8);
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4);
+            s[8 * b + ib] = d * (float)(ls - 32);
+        }
     }
-    const uint8_t *blk = row + (long)(gi >> 3) * IQ4XS_BYTES;
-    const int ib = gi & 7;
-    const int high = (blk[2] | (blk[3] << 8)) >> (2 * ib) & 3, low = (blk[4 + ib / 2] >> (4 * (ib % 2))) & 15;
-    *scale = f16(blk) * (float)((low | (high << 4)) - 32);
-    return _mm256_shuffle_epi8(table, nibbles32(blk + 8 + 16 * ib));
 }
 
 static void g32_row_256(int kind, const uint8_t *row, int G, const float *x, long K, float *out, int ld, int n, int b0,
                         int nb) {
     __m256 acc[TILE], acc2[TILE];
+    float scale[kind == 4 ? G : 1]; /* IQ4_XS's precomputed scales */
+    g32_scales(kind, row, G, scale);
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        float s;
-        const __m256i codes = g32_codes(kind, row, g, &s);
         __m256 w[4];
-        codes8(1, codes, w);
-        const __m256 sv = _mm256_set1_ps(s);
+        codes8(1, g32_codes(kind, row, g), w);
+        const __m256 sv = _mm256_set1_ps(g32_scale(kind, row, g, scale));
         for (int t = 0; t < nb; t++) {
             const float *xg = x + (long)(b0 + t) * K + 32L * g;
             acc[t] = _mm256_fmadd_ps(sv, _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xg))), acc[t]);
@@ -350,12 +360,13 @@ AVX512 static inline __attribute__((always_inline)) void g32_row_512_n(const int
                                                                        const float *x, long K, float *out, int ld,
                                                                        int n, int b0, const int nb) {
     __m512 acc[TILE512], acc2[TILE512];
+    float scale[kind == 4 ? G : 1]; /* IQ4_XS's precomputed scales */
+    g32_scales(kind, row, G, scale);
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
-        float s;
         __m512 w[2];
-        codes16(1, g32_codes(kind, row, g, &s), w);
-        const __m512 sv = _mm512_set1_ps(s);
+        codes16(1, g32_codes(kind, row, g), w);
+        const __m512 sv = _mm512_set1_ps(g32_scale(kind, row, g, scale));
         __m512 *into = (g & 1) ? acc2 : acc; /* even and odd groups: two independent chains */
         for (int t = 0; t < nb; t++) {
             const float *xg = x + (long)(b0 + t) * K + 32L * g;
@@ -493,14 +504,17 @@ void quill_dequant_kq(int kind, const uint8_t *blocks, float *out, int N, int K,
     }
     if (kind >= 2 && kind <= 4) { /* weight = scale * code, one product as gguf computes it */
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-        for (int n = 0; n < N; n++)
+        for (int n = 0; n < N; n++) {
+            const uint8_t *row = blocks + (long)n * row_bytes;
+            float scale[kind == 4 ? K / 32 : 1];
+            g32_scales(kind, row, K / 32, scale);
             for (int g = 0; g < K / 32; g++) {
-                float s;
                 __m256 w[4];
-                codes8(1, g32_codes(kind, blocks + (long)n * row_bytes, g, &s), w);
+                codes8(1, g32_codes(kind, row, g), w);
                 float *o = out + (long)n * K + 32L * g;
-                for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(w[i], _mm256_set1_ps(s)));
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(w[i], _mm256_set1_ps(g32_scale(kind, row, g, scale))));
             }
+        }
         return;
     }
     const int bytes = SUPER_BYTES(kind);
