@@ -139,6 +139,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope = hf_rope(config, head_dim)
         sliding = config.get("sliding_window") if config.get("use_sliding_window", spec.sliding_window_by_default) else None
+        sliding = sliding or None  # 0 or null: no window
         act = config.get("hidden_activation") or config.get("hidden_act") or spec.hidden_act
         fields = dict(
             architecture=spec.name,

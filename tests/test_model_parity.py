@@ -370,3 +370,16 @@ def test_window_layers_ignore_positions_outside_the_window(fused):
     assert torch.equal(decode_with([(i, outside) for i in sliding]), clean)
     assert (decode_with([(0, slots[new_pos - WINDOW + 1 : new_pos - WINDOW + 2])]) - clean).abs().max() > 1e-3
     assert (decode_with([(5, slots[:1])]) - clean).abs().max() > 1e-3
+
+
+def test_gguf_window_zero_means_none(tmp_path):
+    """llama.cpp's converter writes attention.sliding_window = 0 for a Phi model without a window
+    (Phi-4): no window, not a refused window of 0 positions."""
+    from quill.models.gguf import GGUFModelFile
+    from tiny_models import write_llama_gguf
+
+    hf = make_hf_model("phi3")
+    hf.config.sliding_window = None
+    write_llama_gguf(hf, tmp_path / "phi.gguf", arch="phi3")
+    assert GGUFModelFile(tmp_path / "phi.gguf").model_config().sliding_window is None
+    assert ModelConfig.from_hf_config({**hf.config.to_dict(), "sliding_window": 0}).sliding_window is None

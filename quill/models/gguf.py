@@ -259,7 +259,7 @@ class GGUFModelFile:
             rotary_dim=0 if rotary == head_dim else rotary,
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
-            sliding_window=self._arch_key("attention.sliding_window", None),
+            sliding_window=int(self._arch_key("attention.sliding_window", 0)) or None,  # 0: none (Phi-4's converter writes 0)
             qk_norm=spec.qk_norm,
             norm_layout=spec.norm_layout,
             hidden_act=spec.hidden_act,
