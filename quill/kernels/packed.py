@@ -1,11 +1,12 @@
 """Low-bit weights kept low-bit in memory: the packed layout, and the linear/embedding built on it.
 
-Two layouts cover the 32-weight block types (value = scale[n, g] * code + min[n, g]):
+Two layouts cover Q4_0, Q4_1, Q8_0 and Q5_1 (value = scale[n, g] * code + min[n, g], 32-weight groups;
+these are also the layouts the AMX tiling converts):
   q4  codes 0..15, two per byte in GGUF's Q4_0/Q4_1 order   <- Q4_0, Q4_1
-  q8  one signed byte per code          <- Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS (table values as codes)
-Q4_K and Q6_K keep GGUF's own super-blocks (quill.kernels.kquant.BlockWeight). A fused projection
-whose parts the file stores in different types is a SplitWeight of its parts. Other types
-(F16/BF16/F32) stay on the dense fp32 path.
+  q8  one signed byte per code                               <- Q8_0, Q5_1
+Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, F16 and BF16 keep GGUF's own blocks
+(quill.kernels.kquant.BlockWeight). A fused projection whose parts the file stores in different
+types is a SplitWeight of its parts. F32 stays on the dense path.
 """
 
 from __future__ import annotations
