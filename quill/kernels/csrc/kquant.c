@@ -180,15 +180,15 @@ AVX512 static inline void codes16(int kind, __m256i codes, __m512 w[2]) {
     w[1] = _mm512_cvtepi32_ps(HAS_MIN(kind) ? _mm512_cvtepu8_epi32(c) : _mm512_cvtepi8_epi32(c));
 }
 
-/* Row n for items [b0, b0 + nb): 16 lanes wide, inlined per constant kind and nb so the accumulators
- * stay in registers and no branch is left in the loop. */
+/* Q4_K / Q5_K row n for items [b0, b0 + nb): 16 lanes wide, inlined per constant kind and nb so the
+ * accumulators stay in registers and no branch is left in the loop. */
 AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kind, const uint8_t *row, int nblk,
                                                                    const float *x, const float *xs, long K,
                                                                    float *out, int ld, int n, int b0, const int nb) {
     const int bytes = SUPER_BYTES(kind);
-    __m512 acc[TILE512], acc2[TILE512];
-    float mrow[8 * nblk]; /* the row's Q4_K mins, dotted with the group sums at the end */
-    for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
+    __m512 acc[TILE512];
+    float mrow[8 * nblk]; /* the row's mins, dotted with the group sums at the end */
+    for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * bytes;
         float sc[16], *mn = mrow + 8 * b;
@@ -196,21 +196,15 @@ AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kin
         for (int g = 0; g < 8; g++) {
             __m512 w[2];
             codes16(kind, group_codes(kind, blk, g), w);
-            const __m512 a = _mm512_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g]), c = _mm512_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g + 1]);
-            for (int t = 0; t < nb; t++) {
+            const __m512 a = _mm512_set1_ps(sc[g]);
+            for (int t = 0; t < nb; t++) { /* one scale for the group: one product, then the scaled add */
                 const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
-                if (HAS_MIN(kind)) { /* one scale for the group: one product, then the scaled add */
-                    acc[t] = _mm512_fmadd_ps(a, _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))), acc[t]);
-                } else {
-                    acc[t] = _mm512_fmadd_ps(a, _mm512_mul_ps(w[0], _mm512_loadu_ps(xg)), acc[t]);
-                    acc2[t] = _mm512_fmadd_ps(c, _mm512_mul_ps(w[1], _mm512_loadu_ps(xg + 16)), acc2[t]);
-                }
+                acc[t] = _mm512_fmadd_ps(a, _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))), acc[t]);
             }
         }
     }
     for (int t = 0; t < nb; t++)
-        out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]))
-                                       - (HAS_MIN(kind) ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
+        out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]) - min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk);
 }
 
 /* Q6_K, 16 lanes: a half-block (128 weights) unpacked at once from its 64 low-nibble bytes and 32
@@ -252,33 +246,25 @@ AVX512 static inline __attribute__((always_inline)) void row_q6k_512_n(const uin
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
 }
 
-#define ROW512_CASES(KIND)                                                                          \
+/* F(args..., nb) with nb a constant 1..8 (the always-inline row kernels keep their accumulators in
+ * registers only when nb is known at compile time). */
+#define NB_SWITCH(F, ...)                                                                           \
     switch (nb) {                                                                                   \
-    case 1: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 1); break;                         \
-    case 2: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 2); break;                         \
-    case 3: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 3); break;                         \
-    case 4: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 4); break;                         \
-    case 5: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 5); break;                         \
-    case 6: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 6); break;                         \
-    case 7: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 7); break;                         \
-    default: row_512_n(KIND, row, nblk, x, xs, K, out, ld, n, b0, 8); break;                        \
-    }
-
-#define Q6K_CASES                                                                                   \
-    switch (nb) {                                                                                   \
-    case 1: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 1); break;                               \
-    case 2: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 2); break;                               \
-    case 3: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 3); break;                               \
-    case 4: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 4); break;                               \
-    case 5: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 5); break;                               \
-    case 6: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 6); break;                               \
-    case 7: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 7); break;                               \
-    default: row_q6k_512_n(row, nblk, x, K, out, ld, n, b0, 8); break;                              \
+    case 1: F(__VA_ARGS__, 1); break;                                                               \
+    case 2: F(__VA_ARGS__, 2); break;                                                               \
+    case 3: F(__VA_ARGS__, 3); break;                                                               \
+    case 4: F(__VA_ARGS__, 4); break;                                                               \
+    case 5: F(__VA_ARGS__, 5); break;                                                               \
+    case 6: F(__VA_ARGS__, 6); break;                                                               \
+    case 7: F(__VA_ARGS__, 7); break;                                                               \
+    default: F(__VA_ARGS__, 8); break;                                                              \
     }
 
 AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K,
                            float *out, int ld, int n, int b0, int nb) {
-    if (kind == 0) { ROW512_CASES(0) } else if (kind == 5) { ROW512_CASES(5) } else { Q6K_CASES }
+    if (kind == 0) { NB_SWITCH(row_512_n, 0, row, nblk, x, xs, K, out, ld, n, b0) }
+    else if (kind == 5) { NB_SWITCH(row_512_n, 5, row, nblk, x, xs, K, out, ld, n, b0) }
+    else { NB_SWITCH(row_q6k_512_n, row, nblk, x, K, out, ld, n, b0) }
 }
 
 /* ---- Formats read 32 weights at a time with one scale per 32: Q5_0 (kind 2), IQ4_NL (3), IQ4_XS (4).
@@ -376,21 +362,11 @@ AVX512 static inline __attribute__((always_inline)) void g32_row_512_n(const int
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
 }
 
-#define G32_CASES(KIND)                                                                             \
-    switch (nb) {                                                                                   \
-    case 1: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 1); break;                            \
-    case 2: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 2); break;                            \
-    case 3: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 3); break;                            \
-    case 4: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 4); break;                            \
-    case 5: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 5); break;                            \
-    case 6: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 6); break;                            \
-    case 7: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 7); break;                            \
-    default: g32_row_512_n(KIND, row, G, x, K, out, ld, n, b0, 8); break;                           \
-    }
-
 AVX512 static void g32_row_512(int kind, const uint8_t *row, int G, const float *x, long K, float *out, int ld, int n,
                                int b0, int nb) {
-    if (kind == 2) { G32_CASES(2) } else if (kind == 3) { G32_CASES(3) } else { G32_CASES(4) }
+    if (kind == 2) { NB_SWITCH(g32_row_512_n, 2, row, G, x, K, out, ld, n, b0) }
+    else if (kind == 3) { NB_SWITCH(g32_row_512_n, 3, row, G, x, K, out, ld, n, b0) }
+    else { NB_SWITCH(g32_row_512_n, 4, row, G, x, K, out, ld, n, b0) }
 }
 
 /* ---- 16-bit float weights (F16: kind 6, BF16: kind 7) kept 16-bit: widened to fp32 exactly on load. */
@@ -435,21 +411,10 @@ AVX512 static inline __attribute__((always_inline)) void f16_row_512_n(const int
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
 }
 
-#define F16_CASES(KIND)                                                                             \
-    switch (nb) {                                                                                   \
-    case 1: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 1); break;                               \
-    case 2: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 2); break;                               \
-    case 3: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 3); break;                               \
-    case 4: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 4); break;                               \
-    case 5: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 5); break;                               \
-    case 6: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 6); break;                               \
-    case 7: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 7); break;                               \
-    default: f16_row_512_n(KIND, row, x, K, out, ld, n, b0, 8); break;                              \
-    }
-
 AVX512 static void f16_row_512(int kind, const uint16_t *row, const float *x, long K, float *out, int ld, int n, int b0,
                                int nb) {
-    if (kind == 6) { F16_CASES(6) } else { F16_CASES(7) }
+    if (kind == 6) { NB_SWITCH(f16_row_512_n, 6, row, x, K, out, ld, n, b0) }
+    else { NB_SWITCH(f16_row_512_n, 7, row, x, K, out, ld, n, b0) }
 }
 
 /* Bytes per row of a kind's blocks, or 0 for an unknown kind / a K not a multiple of 256. */
