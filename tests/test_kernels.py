@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from quill.kernels import native, tiled
-from quill.kernels.packed import PACKABLE, PackedLinear, Workspace, concat_rows, pack_gguf
+from quill.kernels.packed import PACKABLE, PackedLinear, PackedWeight, Workspace, concat_rows, pack_gguf
 
 from test_gguf import random_tensor
 
@@ -70,15 +70,24 @@ def test_kernel_rows_are_batch_invariant():
     assert torch.equal(lin(mixed, gemv_rows=3)[:3], full[:3])
 
 
+# The types whose weights take the q4/q8 layouts, which are what the AMX tiling converts (the others
+# keep their GGUF blocks: quill.kernels.kquant).
+TILED_TYPES = [t for t in TYPES if isinstance(packed(t)[0], PackedWeight)]
+
+
 def tiled_pair(qtype, rows=48, seed=0):
-    """A packed weight, its tiled form and gguf's values; 64-column chunks need 2 Q4/Q8 blocks (or 1 K-quant)."""
-    blocks = 1 if qtype in (Q.Q4_K, Q.Q5_K) else 6
-    w, ref = packed(qtype, rows=rows, blocks=blocks, seed=seed)
+    """A packed weight, its tiled form and gguf's values; 64-column chunks need 2 blocks of 32."""
+    w, ref = packed(qtype, rows=rows, blocks=6, seed=seed)
     return w, tiled.tile_weight(w), ref
 
 
+def test_tiled_types_are_the_q4_q8_layouts():
+    assert [t.name for t in TILED_TYPES] == ["Q4_0", "Q4_1", "Q5_1", "Q8_0"]
+    assert tiled.for_cpu(packed(Q.Q4_K)[0]) is not None  # a block weight passes through for_cpu unchanged
+
+
 @needs_amx
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TILED_TYPES, ids=lambda t: t.name)
 def test_tiled_layout_holds_the_same_values(qtype):
     w, t, ref = tiled_pair(qtype)
     assert t is not None and (t.rows, t.cols) == (w.rows, w.cols)
@@ -98,7 +107,7 @@ def test_tiled_layout_refuses_shapes_that_do_not_fit():
 
 
 @needs_amx
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TILED_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("batch", [1, 2, 5, 16, 19])
 def test_tiled_kernel_matches_fp32_reference(qtype, batch):
     _, t, ref = tiled_pair(qtype, seed=batch)

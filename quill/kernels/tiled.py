@@ -84,8 +84,9 @@ def _fp16_exact(*ts: torch.Tensor) -> bool:
 
 
 def tile_weight(w: PackedWeight) -> TiledWeight | None:
-    """The tiled form of `w`, or None where the shape does not fit the tiles."""
-    if w.rows % ROWS or w.cols % CHUNK:
+    """The tiled form of `w`, or None where the shape does not fit the tiles or `w` is not a q4/q8
+    PackedWeight (GGUF-block weights keep their own layout)."""
+    if not isinstance(w, PackedWeight) or w.rows % ROWS or w.cols % CHUNK:
         return None
     n, k = w.rows, w.cols
     if w.kind == "q4":
