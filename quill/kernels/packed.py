@@ -233,10 +233,11 @@ class PackedLinear(nn.Module):
         self.bind_gemv(x, out)()
 
     def scratch_floats(self, batch: int) -> int:
+        """Floats of scratch a GEMV of `batch` rows needs: the group sums of x (B x cols / 32) for the
+        packed and block kernels, the AMX kernel's digits and scales for a tiled weight."""
         w = self.weight
         parts = w.parts if isinstance(w, SplitWeight) else [w]
-        return max(batch * p.groups if isinstance(p, GroupWeight) and not hasattr(p, "scratch_bytes")
-                   else -(-p.scratch_bytes(batch) // 4) for p in parts)
+        return max(-(-p.scratch_bytes(batch) // 4) if hasattr(p, "scratch_bytes") else batch * p.groups for p in parts)
 
     def bind_gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None):
         """The kernel call for x (B, in) -> out (B, out) with its pointers bound: call it to run. It holds
