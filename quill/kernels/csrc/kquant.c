@@ -144,8 +144,9 @@ static void kq_group_sums(const float *x, float *xs, int B, int K) {
 #define TILE 4
 
 /* Row n for items [b0, b0 + nb), nb <= TILE: 8 lanes wide. */
-static void row_256(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K, float *out,
-                    int ld, int n, int b0, int nb) {
+static inline __attribute__((always_inline)) void row_256_k(const int kind, const uint8_t *row, int nblk,
+                                                             const float *x, const float *xs, long K, float *out, int ld,
+                                                             int n, int b0, int nb) {
     const int bytes = SUPER_BYTES(kind);
     __m256 acc[TILE], acc2[TILE];
     float mrow[8 * nblk]; /* the row's Q4_K mins, dotted with the group sums at the end */
@@ -160,14 +161,28 @@ static void row_256(int kind, const uint8_t *row, int nblk, const float *x, cons
             const __m256 a = _mm256_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g]), c = _mm256_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g + 1]);
             for (int t = 0; t < nb; t++) {
                 const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
-                acc[t] = _mm256_fmadd_ps(a, _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xg))), acc[t]);
-                acc2[t] = _mm256_fmadd_ps(c, _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), _mm256_mul_ps(w[2], _mm256_loadu_ps(xg + 16))), acc2[t]);
+                const __m256 lo = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xg)));
+                if (HAS_MIN(kind)) { /* one scale for the 32: one dot, one scaled add */
+                    const __m256 d = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), lo));
+                    acc[t] = _mm256_fmadd_ps(a, d, acc[t]);
+                } else {
+                    acc[t] = _mm256_fmadd_ps(a, lo, acc[t]);
+                    acc2[t] = _mm256_fmadd_ps(c, _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), _mm256_mul_ps(w[2], _mm256_loadu_ps(xg + 16))), acc2[t]);
+                }
             }
         }
     }
     for (int t = 0; t < nb; t++)
         out[(long)(b0 + t) * ld + n] = hsum8(_mm256_add_ps(acc[t], acc2[t]))
                                        - (HAS_MIN(kind) ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
+}
+
+/* row_256_k with the kind a constant, so no kind test is left in its loops. */
+static void row_256(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K, float *out,
+                    int ld, int n, int b0, int nb) {
+    if (kind == 0) row_256_k(0, row, nblk, x, xs, K, out, ld, n, b0, nb);
+    else if (kind == 5) row_256_k(5, row, nblk, x, xs, K, out, ld, n, b0, nb);
+    else row_256_k(1, row, nblk, x, xs, K, out, ld, n, b0, nb);
 }
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -323,8 +338,9 @@ static inline void g32_scales(int kind, const uint8_t *row, int G, float *s) {
     }
 }
 
-static void g32_row_256(int kind, const uint8_t *row, int G, const float *x, long K, float *out, int ld, int n, int b0,
-                        int nb) {
+static inline __attribute__((always_inline)) void g32_row_256_k(const int kind, const uint8_t *row, int G,
+                                                                 const float *x, long K, float *out, int ld, int n,
+                                                                 int b0, int nb) {
     __m256 acc[TILE], acc2[TILE];
     float scale[kind == 4 ? G : 1]; /* IQ4_XS's precomputed scales */
     g32_scales(kind, row, G, scale);
@@ -340,6 +356,13 @@ static void g32_row_256(int kind, const uint8_t *row, int G, const float *x, lon
         }
     }
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(_mm256_add_ps(acc[t], acc2[t]));
+}
+
+static void g32_row_256(int kind, const uint8_t *row, int G, const float *x, long K, float *out, int ld, int n, int b0,
+                        int nb) {
+    if (kind == 2) g32_row_256_k(2, row, G, x, K, out, ld, n, b0, nb);
+    else if (kind == 3) g32_row_256_k(3, row, G, x, K, out, ld, n, b0, nb);
+    else g32_row_256_k(4, row, G, x, K, out, ld, n, b0, nb);
 }
 
 AVX512 static inline __attribute__((always_inline)) void g32_row_512_n(const int kind, const uint8_t *row, int G,
