@@ -192,8 +192,7 @@ def hf_rope(config: dict, head_dim: int) -> dict:
     theta = params.get("rope_theta", config.get("rope_theta"))
     theta = 10000.0 if theta is None else float(theta)
     partial = scaling.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor") or 1.0
-    for key in ("rope_theta",):
-        scaling.pop(key, None)
+    scaling.pop("rope_theta", None)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         scaling = None

@@ -122,7 +122,7 @@ def _layout(w, keep: list) -> QWeight | None:
     keep.append(w)
     if isinstance(w, SplitWeight):
         parts = [_layout(p, keep) for p in w.parts]
-        if any(p is None or p.kind in (3, 4, 5, 6) for p in parts):  # AMX-tiled parts write whole rows only
+        if any(p is None or 3 <= p.kind < BLOCKS_KIND for p in parts):  # AMX-tiled parts (3..6) write whole rows only
             return None
         array = (QWeight * len(parts))(*parts)
         keep.append(array)
@@ -169,8 +169,8 @@ class FusedDecoder:
             self._split = self.lib.quill_attention_split()  # context positions per attention task
 
     def _build_layers(self, model, kv_layers):
-        def ptr(t):
-            return None if t is None else t.data_ptr()
+        def ptr(module, attr: str):  # a module's tensor's address, NULL where the layer has no such module
+            return None if module is None else getattr(module, attr).data_ptr()
 
         layers = []
         for layer, (k, v) in zip(model.layers, kv_layers):
@@ -178,15 +178,10 @@ class FusedDecoder:
             ws = [_qweight(x, self._keep) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
             if any(w is None for w in ws) or not (k.is_contiguous() and k.dtype in (torch.float32, torch.float16)):
                 return None
-            norms = [ptr(n.weight if n is not None else None)
-                     for n in (layer.attn_in, layer.attn_out, layer.mlp_in, layer.mlp_out)]
-            rope = a.rope
-            layers.append(LayerWeights(*norms, *ws, k.data_ptr(), v.data_ptr(),
-                                       ptr(a.q_norm.weight if a.q_norm is not None else None),
-                                       ptr(a.k_norm.weight if a.k_norm is not None else None),
-                                       FUSED_QK_NORMS[a.qk_norm], a.window or 0,
-                                       ptr(rope.cos if rope is not None else None),
-                                       ptr(rope.sin if rope is not None else None)))
+            norms = [ptr(n, "weight") for n in (layer.attn_in, layer.attn_out, layer.mlp_in, layer.mlp_out)]
+            layers.append(LayerWeights(*norms, *ws, k.data_ptr(), v.data_ptr(), ptr(a.q_norm, "weight"),
+                                       ptr(a.k_norm, "weight"), FUSED_QK_NORMS[a.qk_norm], a.window or 0,
+                                       ptr(a.rope, "cos"), ptr(a.rope, "sin")))
         return layers
 
     def _buf(self, name: str, numel: int) -> torch.Tensor:

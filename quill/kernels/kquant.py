@@ -29,7 +29,6 @@ class BlockWeight(GroupWeight):
 
     qtype: Q
     blocks: torch.Tensor
-    cols_: int
 
     @property
     def kind(self) -> int:
@@ -40,12 +39,12 @@ class BlockWeight(GroupWeight):
         return self.blocks.shape[0]
 
     @property
-    def cols(self) -> int:
-        return self.cols_
+    def cols(self) -> int:  # from the row's bytes: whole blocks of BLOCK_WEIGHTS each
+        return self.blocks.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK_WEIGHTS[self.qtype]
 
     @property
     def groups(self) -> int:  # 32-weight groups per row (what the fused layer's scratch is sized by)
-        return self.cols_ // 32
+        return self.cols // 32
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.blocks]
@@ -59,14 +58,14 @@ class BlockWeight(GroupWeight):
         return self._dequant(self.blocks[ids].contiguous())
 
     def _dequant(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty(blocks.shape[0], self.cols_) if out is None else out
+        out = torch.empty(blocks.shape[0], self.cols) if out is None else out
         lib = native.load()
         if lib is None:  # no kernels: gguf-py's reference dequantization
             from quill.kernels.dequant import dequantize
 
-            out.copy_(dequantize(blocks.numpy(), self.qtype, (blocks.shape[0], self.cols_)))
+            out.copy_(dequantize(blocks.numpy(), self.qtype, (blocks.shape[0], self.cols)))
             return out
-        lib.quill_dequant_kq(self.kind, blocks.data_ptr(), out.data_ptr(), blocks.shape[0], self.cols_,
+        lib.quill_dequant_kq(self.kind, blocks.data_ptr(), out.data_ptr(), blocks.shape[0], self.cols,
                              options.current().threads)
         return out
 
@@ -76,7 +75,7 @@ class BlockWeight(GroupWeight):
         opts = options.current()
         return (native.load().quill_gemv_kq,
                 (self.kind, self.blocks.data_ptr(), x.data_ptr(), scratch.data_ptr(), out.data_ptr(), self.rows,
-                 self.cols_, x.shape[0], ld or self.rows, opts.isa, opts.threads))
+                 self.cols, x.shape[0], ld or self.rows, opts.isa, opts.threads))
 
 
 def block_weight(qtype, shape: tuple[int, ...], raw: np.ndarray) -> BlockWeight | None:
@@ -87,4 +86,4 @@ def block_weight(qtype, shape: tuple[int, ...], raw: np.ndarray) -> BlockWeight 
         return None
     rows, cols = shape
     blocks = np.asarray(raw).view(np.uint8).reshape(rows, cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype])
-    return BlockWeight(qtype, torch.from_numpy(np.array(blocks, copy=True)), cols)
+    return BlockWeight(qtype, torch.from_numpy(np.array(blocks, copy=True)))

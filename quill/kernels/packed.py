@@ -116,11 +116,7 @@ def pack_gguf(qtype, shape: tuple[int, ...], raw: np.ndarray) -> GroupWeight | N
         if qtype == Q.Q4_0:
             return _make("q4", blocks[..., 2:].reshape(rows, groups * 16), d, -8.0 * d)
         return _make("q4", blocks[..., 4:].reshape(rows, groups * 16), d, _f16(blocks[..., 2:4]))
-    unpacked = unpack_blocks(raw, qtype, shape)  # K-quants: per-32 sub-block scale and min
-    codes = unpacked.codes.reshape(rows, groups, 2, 16)
-    if qtype == Q.Q4_K:
-        nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, groups * 16)
-        return _make("q4", nibbles, unpacked.scales, unpacked.mins)
+    unpacked = unpack_blocks(raw, qtype, shape)  # Q5_1: codes 0..31, per-32 scale and min
     return _make("q8", unpacked.codes.astype(np.int8), unpacked.scales, unpacked.mins)
 
 
@@ -141,7 +137,7 @@ def concat_rows(parts: list[GroupWeight]) -> GroupWeight:
         return PackedWeight(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                             torch.cat([p.mins for p in parts]))
     if all(isinstance(p, BlockWeight) and p.qtype == parts[0].qtype for p in parts):
-        return BlockWeight(parts[0].qtype, torch.cat([p.blocks for p in parts]), parts[0].cols)
+        return BlockWeight(parts[0].qtype, torch.cat([p.blocks for p in parts]))
     return SplitWeight(list(parts))
 
 

@@ -142,10 +142,10 @@ class LlamaForCausalLM(nn.Module):
         context_len: the longest context this model will serve (default the model's own): it sizes
         the RoPE tables and picks LongRoPE's factors."""
         super().__init__()
-        from quill.models.archs import for_hf
+        from quill.models.archs import ARCHITECTURES
 
         self.config = cfg
-        self.spec = for_hf(cfg.architecture)
+        self.spec = ARCHITECTURES[cfg.architecture]
         if callable(weights):
             weights = DenseWeights(weights)
         max_pos = max(min(context_len or cfg.max_position_embeddings, cfg.max_position_embeddings), 1)
