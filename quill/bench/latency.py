@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -19,6 +20,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("latency", help="engine speed: bandwidth, prefill/decode tok/s, roofline (vs llama.cpp)",
                               description="Every figure is the median of --repeats runs in this one process.")
     p.add_argument("--model", "-m", default=None, help="GGUF file or HF folder (default: the embedded model)")
+    p.add_argument("--models", action="append", default=None, metavar="A.gguf,B.gguf",
+                   help="several model files, comma-separated and/or the option repeated: each is measured in turn "
+                        "with the same options (one engine in memory at a time), then a table compares them: file "
+                        "and resident weight size, prefill at the longest --prefill, decode b=1 and the largest "
+                        "--batches at the smallest --contexts, their ratio, b=1 roofline (and quill / llama.cpp "
+                        "with --vs); instead of --model")
     p.add_argument("--threads", type=int, default=None, help="threads for quill and llama.cpp (default: physical cores)")
     p.add_argument("--vs", choices=["llama.cpp"], default=None, help="also measure llama-cpp-python on the same GGUF")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported (default 3)")
@@ -66,37 +73,159 @@ def measure_bandwidth(repeats: int, mib: int = 512) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quill.bench.quill_runner import QuillRunner
-
     prefill, batches, contexts = _ints(args.prefill), _ints(args.batches), _ints(args.contexts)
     if args.skip_prefill:
         if args.vs:
             print("quill bench latency: --skip-prefill measures quill alone; drop --vs", file=sys.stderr)
             return 2
         prefill = []
-    quill = QuillRunner(args.model, args.threads, max(prefill + [c + args.decode_steps + 8 for c in contexts]),
-                        max(batches), args.kv_cache_dtype, skip_prefill=args.skip_prefill)
-    threads = quill.threads
-    print(f"quill bench latency: {quill.model_name}, {threads} threads, median of {args.repeats}", file=sys.stderr)
-    bandwidth = measure_bandwidth(args.repeats)
-    report = {"model": quill.model_name, "threads": threads, "bandwidth_gbs": bandwidth,
-              "weight_bytes": quill.weight_bytes, "kv_bytes_per_token": quill.kv_bytes_per_token,
-              "kv_cache_dtype": quill.kv_cache_dtype, "quill": {}}
-    tokens = quill.sample_tokens(max(prefill + contexts))
-    report["quill"] = _measure(quill, tokens, prefill, batches, contexts, args)
-    report["quill"]["gemv_kernel"] = quill.gemv_read_rate(max(args.repeats, 5))
-    if args.vs == "llama.cpp":
-        from quill.bench.llamacpp_ref import LlamaCppRunner
-
-        ref = LlamaCppRunner(str(quill.model_path), threads, max(batches),
-                             max(prefill + [c + args.decode_steps + 8 for c in contexts]))
-        report["llama.cpp"] = _measure(ref, tokens, prefill, batches, contexts, args)
-        ref.close()
+    if args.models is not None:
+        if args.model is not None:
+            print("quill bench latency: give --model or --models, not both", file=sys.stderr)
+            return 2
+        try:
+            models = model_list(args.models)
+        except ValueError as e:
+            print(f"quill bench latency: {e}", file=sys.stderr)
+            return 2
+        return _run_matrix(models, args, prefill, batches, contexts)
+    report = measure_model(args.model, args, prefill, batches, contexts)
     _print_report(report, prefill, batches, contexts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def model_list(values: list[str]) -> list[str]:
+    """--models, repeated and/or comma-separated -> the paths in order; each must be a file."""
+    models = [m.strip() for v in values for m in v.split(",") if m.strip()]
+    if not models:
+        raise ValueError("--models needs at least one model file")
+    missing = [m for m in models if not os.path.isfile(m)]
+    if missing:
+        raise ValueError(f"--models: not a file: {', '.join(missing)}")
+    return models
+
+
+def measure_model(model: str | None, args: argparse.Namespace, prefill, batches, contexts,
+                  bandwidth: float | None = None) -> dict:
+    """One model's figures (quill, then llama.cpp with --vs); its engine is freed before this returns."""
+    from quill.bench.quill_runner import QuillRunner
+
+    max_len = max(prefill + [c + args.decode_steps + 8 for c in contexts])
+    quill = QuillRunner(model, args.threads, max_len, max(batches), args.kv_cache_dtype, skip_prefill=args.skip_prefill)
+    try:
+        threads = quill.threads
+        print(f"quill bench latency: {quill.model_name}, {threads} threads, median of {args.repeats}", file=sys.stderr)
+        if bandwidth is None:
+            bandwidth = measure_bandwidth(args.repeats)
+        report = {"model": quill.model_name, "path": str(quill.model_path), "threads": threads,
+                  "bandwidth_gbs": bandwidth, "weight_bytes": quill.weight_bytes, "file_bytes": quill.file_bytes,
+                  "kv_bytes_per_token": quill.kv_bytes_per_token, "kv_cache_dtype": quill.kv_cache_dtype, "quill": {}}
+        tokens = quill.sample_tokens(max(prefill + contexts))
+        report["quill"] = _measure(quill, tokens, prefill, batches, contexts, args)
+        report["quill"]["gemv_kernel"] = quill.gemv_read_rate(max(args.repeats, 5))
+    finally:
+        quill.close()  # before llama.cpp loads the same file
+    if args.vs == "llama.cpp":
+        from quill.bench.llamacpp_ref import LlamaCppRunner
+
+        ref = LlamaCppRunner(report["path"], threads, max(batches), max_len)
+        try:
+            report["llama.cpp"] = _measure(ref, tokens, prefill, batches, contexts, args)
+        finally:
+            ref.close()
+    return report
+
+
+def _run_matrix(models: list[str], args: argparse.Namespace, prefill, batches, contexts) -> int:
+    """Each model in turn with the same options (one engine alive at a time), then the table of ratios."""
+    bandwidth = measure_bandwidth(args.repeats)
+    reports = []
+    for i, model in enumerate(models, 1):
+        print(f"quill bench latency: model {i} of {len(models)}: {model}", file=sys.stderr)
+        reports.append(measure_model(model, args, prefill, batches, contexts, bandwidth))
+        print(f"== {os.path.basename(model)} ==")
+        _print_report(reports[-1], prefill, batches, contexts)
+        print()
+    rows = [matrix_row(r, prefill, batches, contexts) for r in reports]
+    for line in format_matrix(rows, args.vs == "llama.cpp"):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": reports[0]["threads"], "bandwidth_gbs": bandwidth, "prefill": prefill,
+                       "batches": batches, "contexts": contexts, "models": reports, "matrix": rows}, f, indent=2)
+    return 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _roofline(r: dict, tps: float, b: int, ctx: int) -> tuple[float, float]:
+    """(GB/s, fraction of the measured bandwidth) of decode at batch b, context ctx: each step reads the
+    weights once plus each row's K/V."""
+    step_bytes = r["weight_bytes"] + b * ctx * r["kv_bytes_per_token"]
+    gbs = tps / b * step_bytes / 1e9
+    return gbs, gbs / r["bandwidth_gbs"]
+
+
+def matrix_row(r: dict, prefill, batches, contexts) -> dict:
+    """A model's row of the matrix: sizes, prefill at the longest prompt, decode b=1 and the largest batch at
+    the smallest context, their ratio, b=1's roofline, and (with a llama.cpp report) quill / llama.cpp."""
+    ctx, top = min(contexts), max(batches)
+    n = max(prefill) if prefill else None
+
+    def figures(side: dict) -> dict:
+        pf = side["prefill_tps"].get(str(n)) if n else None
+        b1, bt = side["decode_tps"].get(f"1x{ctx}"), side["decode_tps"][f"{top}x{ctx}"]
+        return {"prefill_tps": pf, "decode_b1_tps": b1, "decode_top_tps": bt, "batch_over_b1": _ratio(bt, b1)}
+
+    q = figures(r["quill"])
+    row = {"model": os.path.basename(r["path"]), "file_bytes": r["file_bytes"], "resident_bytes": r["weight_bytes"],
+           "resident_over_file": _ratio(r["weight_bytes"], r["file_bytes"]), "prefill_len": n, "context": ctx,
+           "top_batch": top, **q,
+           "roofline_b1": None if q["decode_b1_tps"] is None else _roofline(r, q["decode_b1_tps"], 1, ctx)[1]}
+    if "llama.cpp" in r:
+        ref = figures(r["llama.cpp"])
+        row["vs_llama.cpp"] = {k: _ratio(q[k], ref[k]) for k in q}
+    return row
+
+
+def format_matrix(rows: list[dict], has_ref: bool) -> list[str]:
+    """The compact table, one line per model; '-' for a figure not measured (no prefill, no batch 1)."""
+    first = rows[0]
+    n, ctx, top = first["prefill_len"], first["context"], first["top_batch"]
+
+    def text(value, fmt: str, unit: str = "", scale: float = 1.0) -> str:
+        return "-" if value is None else format(value * scale, fmt) + unit
+
+    # (title, the cell's text, the key of its quill / llama.cpp ratio or None)
+    cols = [("file MiB", lambda r: text(r["file_bytes"], ".1f", scale=2**-20), None),
+            ("resident MiB", lambda r: text(r["resident_bytes"], ".1f", scale=2**-20), None),
+            ("res/file", lambda r: text(r["resident_over_file"], ".3f"), None),
+            (f"prefill {n}" if n else "prefill", lambda r: text(r["prefill_tps"], ".1f"), "prefill_tps"),
+            ("decode b=1", lambda r: text(r["decode_b1_tps"], ".1f"), "decode_b1_tps"),
+            (f"decode b={top}", lambda r: text(r["decode_top_tps"], ".1f"), "decode_top_tps"),
+            (f"b={top}/b=1", lambda r: text(r["batch_over_b1"], ".2f", "x"), "batch_over_b1"),
+            ("roofline b=1", lambda r: text(r["roofline_b1"], ".0f", "%", 100), None)]
+    table = [["model"], *([r["model"]] for r in rows)]
+    for title, cell, key in cols:
+        table[0].append(title)
+        for line, r in zip(table[1:], rows):
+            line.append(cell(r))
+        if has_ref and key:
+            table[0].append("vs l.cpp")
+            for line, r in zip(table[1:], rows):
+                line.append(text(r.get("vs_llama.cpp", {}).get(key), ".2f", "x"))
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    what = f"prefill at {n} tokens, decode at context {ctx}" if n else f"decode at context {ctx}"
+    lines = [f"matrix: tok/s, {what}; res/file = quill's resident weight bytes / the file's bytes"
+             + ("; vs l.cpp = quill / llama.cpp" if has_ref else "")]
+    for line in table:
+        lines.append(f"{line[0]:<{widths[0]}}" + "".join(f"{c:>{w + 2}}" for c, w in zip(line[1:], widths[1:])))
+    return lines
 
 
 def _measure(runner, tokens, prefill, batches, contexts, args) -> dict:
@@ -127,9 +256,8 @@ def _print_report(r: dict, prefill, batches, contexts) -> None:
         for b in batches:
             key = f"{b}x{ctx}"
             tps = q["decode_tps"][key]
-            step_bytes = r["weight_bytes"] + b * ctx * r["kv_bytes_per_token"]
-            gbs = tps / b * step_bytes / 1e9
-            _row(f"decode b={b} ctx={ctx} tok/s", tps, r, "decode_tps", key, has_ref, gbs, gbs / bw)
+            gbs, roof = _roofline(r, tps, b, ctx)
+            _row(f"decode b={b} ctx={ctx} tok/s", tps, r, "decode_tps", key, has_ref, gbs, roof)
     for key, bd in q.get("step_breakdown", {}).items():
         print(f"quill decode step {key}: {bd['step_ms']:.2f} ms = layers {bd['layers_ms']:.2f} + LM head "
               f"{bd['lm_head_ms']:.2f} + outside the model {bd['overhead_ms']:.2f} (scheduling, sampling, detokenizing)")

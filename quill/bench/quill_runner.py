@@ -32,9 +32,19 @@ class QuillRunner:
         self.model_name = self.engine.model_name
         self.model_path = self.engine.loaded.path
         self.weight_bytes = self.engine.loaded.model.resident_bytes()
+        self.file_bytes = self.engine.loaded.file_bytes  # the GGUF's size on disk (stat), as `quill info` reports
         self.kv_bytes_per_token = self.engine.kv_cache.bytes_per_token
         self.kv_cache_dtype = self.engine.kv_cache_dtype
         self._ids = 0
+
+    def close(self) -> None:
+        """Let the engine (weights, KV pool) go, so a next runner's model is never held alongside it.
+        freeze_heap moved it out of the cyclic collector's reach: unfreeze, drop it, collect."""
+        import gc
+
+        self.engine = None
+        gc.unfreeze()
+        gc.collect()
 
     def gemv_read_rate(self, repeats: int) -> dict | None:
         """The decode GEMV kernel alone at batch 1 over every quantized weight (each layer's projections, then
