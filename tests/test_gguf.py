@@ -15,9 +15,10 @@ from quill.models.gguf import GGUFModelFile, hf_tensor_name, rope_unpermute_inde
 
 # Byte offsets of the fp16 fields in each block, overwritten so random blocks stay finite.
 FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
-               Q.Q6_K: [208], Q.IQ4_NL: [0], Q.IQ4_XS: [0]}
+               Q.Q6_K: [208], Q.IQ4_NL: [0], Q.IQ4_XS: [0], Q.Q2_K: [80, 82], Q.Q3_K: [108]}
 CODE_RANGES = {Q.Q8_0: (-128, 127), Q.Q4_0: (0, 15), Q.Q4_1: (0, 15), Q.Q5_0: (-16, 15), Q.Q5_1: (0, 31),
-               Q.Q4_K: (0, 15), Q.Q5_K: (0, 31), Q.Q6_K: (0, 63), Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113)}
+               Q.Q4_K: (0, 15), Q.Q5_K: (0, 31), Q.Q6_K: (0, 63), Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113),
+               Q.Q2_K: (0, 3), Q.Q3_K: (-4, 3)}
 
 
 def random_tensor(qtype, rows: int, blocks_per_row: int, seed: int = 0) -> tuple[np.ndarray, tuple[int, int]]:

@@ -1,6 +1,6 @@
-"""GGUF blocks kept as they are (Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, F16, BF16): exact dequantization, GEMV accuracy on both
-ISAs, batch invariance, split projections of mixed types, and a model whose file mixes them the
-way llama.cpp's Q4_K_M recipe does, on the fused and the torch decode path."""
+"""GGUF blocks kept as they are (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, F16, BF16): exact dequantization,
+GEMV accuracy on both ISAs, batch invariance, split projections of mixed types, and models whose files mix them
+the way llama.cpp's Q4_K_M and Q2_K recipes do, on the fused and the torch decode path."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from quill.kernels.packed import PackedLinear, PackedWeight, SplitWeight, Worksp
 from test_gguf import random_tensor
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels need x86-64 AVX2/FMA and gcc")
-KQ = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16]
+KQ = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16]
 
 
 def isas():
@@ -45,6 +45,35 @@ def test_dequantize_is_exactly_gguf(qtype):
     np.testing.assert_array_equal(w.dequantize().numpy(), ref)
     ids = torch.tensor([6, 0, 3, 3])
     np.testing.assert_array_equal(w.dequantize_rows(ids).numpy(), ref[ids.numpy()])
+
+
+def _block_by_hand(qtype, block: np.ndarray) -> np.ndarray:
+    """One Q2_K / Q3_K block's 256 weights, element by element from GGML's block layout (ggml-common.h)."""
+    f16 = lambda o: float(block[o:o + 2].view(np.float16)[0])  # noqa: E731
+    out = np.empty(256, np.float32)
+    for e in range(256):
+        chunk, half, field, lane = e // 16, e // 128, (e % 128) // 32, e % 32
+        if qtype == Q.Q2_K:  # scales[16] (scale | min << 4), qs[64], d, dmin
+            q = int(block[16 + 32 * half + lane]) >> (2 * field) & 3
+            dl = np.float32(f16(80)) * np.float32(int(block[chunk]) & 15)
+            ml = np.float32(f16(82)) * np.float32(int(block[chunk]) >> 4)
+            out[e] = dl * np.float32(q) - ml
+        else:  # hmask[32], qs[64], scales[12] (6-bit, minus 32), d
+            q = (int(block[32 + 32 * half + lane]) >> (2 * field) & 3) - (0 if int(block[lane]) >> (e // 32) & 1 else 4)
+            low = int(block[96 + chunk % 8]) >> (4 * (chunk // 8)) & 15
+            high = int(block[104 + chunk % 4]) >> (2 * (chunk // 4)) & 3
+            out[e] = np.float32(f16(108)) * np.float32(int(low | high << 4) - 32) * np.float32(q)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K], ids=lambda t: t.name)
+def test_low_bit_k_blocks_by_hand(qtype):
+    """The kernels' Q2_K / Q3_K weights against the layout read byte by byte, not only against gguf-py."""
+    raw, shape, _ = blocks(qtype, 2, 2, seed=9)
+    w = pack_gguf(qtype, shape, raw)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    by_hand = np.concatenate([_block_by_hand(qtype, b) for b in raw.reshape(-1, size)]).reshape(shape)
+    np.testing.assert_array_equal(w.dequantize().numpy(), by_hand)
 
 
 @needs_native
@@ -104,7 +133,11 @@ MIX_32 = {"token_embd": Q.IQ4_NL, "output": Q.Q6_K, "attn_q": Q.Q5_0, "attn_k": 
 # Q5_K_M's Q5_K, and 16-bit float tensors (F16 files, BF16 embeddings) kept 16-bit.
 MIX_5 = {"token_embd": Q.F16, "output": Q.BF16, "attn_q": Q.Q5_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K,
          "attn_output": Q.BF16, "ffn_gate": Q.F16, "ffn_up": Q.Q5_K, "ffn_down": Q.Q5_K}
-FP16_AT = {Q.Q5_K: (0, 4), Q.Q4_K: (0, 4), Q.Q6_K: (208, 210), Q.Q5_0: (0, 2), Q.IQ4_NL: (0, 2), Q.IQ4_XS: (0, 2), Q.Q8_0: (0, 2)}
+# Q2_K's recipe (attn_v, attn_output and ffn_down Q3_K; untied token_embd keeps Q2_K), ffn_up Q3_K for a split gate/up.
+MIX_2 = {"token_embd": Q.Q2_K, "output": Q.Q6_K, "attn_q": Q.Q2_K, "attn_k": Q.Q2_K, "attn_v": Q.Q3_K,
+         "attn_output": Q.Q3_K, "ffn_gate": Q.Q2_K, "ffn_up": Q.Q3_K, "ffn_down": Q.Q3_K}
+FP16_AT = {Q.Q5_K: (0, 4), Q.Q4_K: (0, 4), Q.Q6_K: (208, 210), Q.Q5_0: (0, 2), Q.IQ4_NL: (0, 2), Q.IQ4_XS: (0, 2), Q.Q8_0: (0, 2),
+           Q.Q2_K: (80, 84), Q.Q3_K: (108, 110)}
 
 
 def write_mixed_gguf(path, mix=MIX, hidden=256, inter=512, layers=2, heads=4, kv_heads=2, vocab=300):
@@ -151,7 +184,7 @@ def write_mixed_gguf(path, mix=MIX, hidden=256, inter=512, layers=2, heads=4, kv
 
 
 @needs_native
-@pytest.mark.parametrize("mix", [MIX, MIX_32, MIX_5], ids=["q4_k_m", "q5_0-iq4", "q5_k-f16-bf16"])
+@pytest.mark.parametrize("mix", [MIX, MIX_32, MIX_5, MIX_2], ids=["q4_k_m", "q5_0-iq4", "q5_k-f16-bf16", "q2_k-q3_k"])
 def test_mixed_model_decodes_on_the_fused_path(tmp_path, mix):
     """Packed (blocks as in the file, q/k/v a split of Q4_K and Q6_K) against the same file loaded
     dense (gguf's dequantization, fp32, torch path): prefill and 8 decode steps within 1e-4 of the
@@ -172,7 +205,8 @@ def test_mixed_model_decodes_on_the_fused_path(tmp_path, mix):
     dense = LlamaForCausalLM(gf.model_config(), DenseWeights(gf.dequantize_tensor))
     assert isinstance(packed.layers[0].self_attn.qkv_proj.weight, SplitWeight)
     assert isinstance(packed.lm_head.weight, BlockWeight) and isinstance(packed.layers[1].mlp.down_proj.weight, BlockWeight)
-    assert isinstance(packed.layers[1].mlp.gate_up_proj.weight, BlockWeight if mix is MIX else SplitWeight)
+    assert isinstance(packed.layers[1].mlp.gate_up_proj.weight,
+                      BlockWeight if mix["ffn_gate"] == mix["ffn_up"] else SplitWeight)
     assert isinstance(packed.embed_tokens.weight, BlockWeight)  # every type in the file stays as it is
     tensor_bytes = sum(t.n_bytes for t in gf._reader.tensors)
     assert packed.resident_bytes() <= 1.1 * tensor_bytes

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 Q = GGMLQuantizationType
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-PACKED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS})
+PACKED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL,
+                          Q.IQ4_XS})
 SUPPORTED_TYPES = FLOAT_TYPES | PACKED_TYPES
 
 _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
@@ -119,6 +120,34 @@ def _unpack_q6_k(blocks: np.ndarray):
     return codes, scale, scale * np.float32(-32.0)  # stored codes are offset by 32
 
 
+def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """(B, 64) uint8 of Q2_K / Q3_K low codes -> (B, 8, 32): group g is crumb g % 4 of bytes [32 * (g // 4), +32)."""
+    return ((qs.reshape(-1, 2, 1, 32) >> _CRUMB_SHIFTS[None, None, :, None]) & np.uint8(3)).reshape(-1, 8, 32)
+
+
+def _unpack_q2_k(blocks: np.ndarray):
+    # 84 bytes: 16 bytes of (4-bit scale | 4-bit min << 4) per 16 weights, 64 bytes of 2-bit codes, d, dmin
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    packed = blocks[:, 0:16]
+    scale = d * (packed & np.uint8(0x0F)).astype(np.float32)  # (B, 16)
+    minimum = -(dmin * (packed >> np.uint8(4)).astype(np.float32))
+    return _two_bit_codes(blocks[:, 16:80]).reshape(-1, 256), scale, minimum  # (d sc) q - (dmin m)
+
+
+def _unpack_q3_k(blocks: np.ndarray):
+    # 110 bytes: 32 bytes of high bits (bit g of byte l: element l of group g), 64 bytes of 2-bit low codes,
+    # 12 bytes of 6-bit scales (low 4 bits: nibbles of bytes 0-7, scales 0-7 low then 8-15 high; top 2 bits:
+    # crumb k of byte 8 + i for scale 4k + i), d. Weight d * (scale - 32) * (low - (high bit ? 0 : 4)).
+    high = (blocks[:, None, 0:32] >> _BIT_SHIFTS[None, :, None]) & np.uint8(1)  # (B, 8, 32)
+    codes = _two_bit_codes(blocks[:, 32:96]).astype(np.int8) - (np.int8(4) * (np.int8(1) - high.astype(np.int8)))
+    packed = blocks[:, 96:104]
+    low4 = np.concatenate([packed & np.uint8(0x0F), packed >> np.uint8(4)], axis=1)  # (B, 16)
+    high2 = ((blocks[:, None, 104:108] >> _CRUMB_SHIFTS[None, :, None]) & np.uint8(3)).reshape(-1, 16)  # (B, 4k + i)
+    sc = (low4 | (high2 << np.uint8(4))).astype(np.int8) - np.int8(32)
+    scale = _f16(blocks[:, 108:110]) * sc.astype(np.float32)  # (B, 16), one per 16 elements
+    return codes.reshape(-1, 256), scale, np.zeros_like(scale)
+
+
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     """(B, 4) uint8 of a little-endian uint32 -> (B, 32) uint8: bit j is the 5th bit of element j."""
     return (qh[:, :, None] >> _BIT_SHIFTS[None, None, :]).reshape(-1, 32) & np.uint8(1)
@@ -166,11 +195,14 @@ _UNPACKERS = {
     Q.Q8_0: _unpack_q8_0,
     Q.Q4_0: _unpack_q4_0,
     Q.Q4_1: _unpack_q4_1,
+    Q.Q2_K: _unpack_q2_k,
+    Q.Q3_K: _unpack_q3_k,
     Q.Q4_K: _unpack_q4_k,
     Q.Q5_K: _unpack_q5_k,
     Q.Q6_K: _unpack_q6_k,
 }
-_GROUP_SIZES = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16,
+_GROUP_SIZES = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.Q2_K: 16, Q.Q3_K: 16, Q.Q4_K: 32,
+                Q.Q5_K: 32, Q.Q6_K: 16,
                 Q.IQ4_NL: 32, Q.IQ4_XS: 32}
 
 

@@ -1,5 +1,5 @@
-"""Weights kept in GGUF's own blocks (Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, F16, BF16): as many bytes in
-memory as in the file.
+"""Weights kept in GGUF's own blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, F16, BF16): as many
+bytes in memory as in the file.
 
 The C kernels (csrc/kquant.c) compute a GEMV or small GEMM straight from the blocks with fp32
 activations, and dequantize rows for prefill tiles and embedding lookups; both give exactly the
@@ -18,9 +18,11 @@ from quill.kernels import native, options
 from quill.kernels.packed import GroupWeight
 
 # GGUF type -> the kernels' kind; weights and bytes per block (F16/BF16: 32-weight runs of 16-bit floats)
-KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.Q5_0: 2, Q.IQ4_NL: 3, Q.IQ4_XS: 4, Q.Q5_K: 5, Q.F16: 6, Q.BF16: 7}
-BLOCK_WEIGHTS = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q5_0: 32, Q.IQ4_NL: 32, Q.IQ4_XS: 256, Q.Q5_K: 256, Q.F16: 32, Q.BF16: 32}
-BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_0: 22, Q.IQ4_NL: 18, Q.IQ4_XS: 136, Q.Q5_K: 176, Q.F16: 64, Q.BF16: 64}
+KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.Q5_0: 2, Q.IQ4_NL: 3, Q.IQ4_XS: 4, Q.Q5_K: 5, Q.F16: 6, Q.BF16: 7, Q.Q2_K: 8, Q.Q3_K: 9}
+BLOCK_WEIGHTS = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q5_0: 32, Q.IQ4_NL: 32, Q.IQ4_XS: 256, Q.Q5_K: 256, Q.F16: 32, Q.BF16: 32,
+                 Q.Q2_K: 256, Q.Q3_K: 256}
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_0: 22, Q.IQ4_NL: 18, Q.IQ4_XS: 136, Q.Q5_K: 176, Q.F16: 64, Q.BF16: 64,
+               Q.Q2_K: 84, Q.Q3_K: 110}
 
 
 @dataclass

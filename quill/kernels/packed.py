@@ -4,7 +4,7 @@ Two layouts cover Q4_0, Q4_1, Q8_0 and Q5_1 (value = scale[n, g] * code + min[n,
 these are also the layouts the AMX tiling converts):
   q4  codes 0..15, two per byte in GGUF's Q4_0/Q4_1 order   <- Q4_0, Q4_1
   q8  one signed byte per code                               <- Q8_0, Q5_1
-Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, F16 and BF16 keep GGUF's own blocks
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, F16 and BF16 keep GGUF's own blocks
 (quill.kernels.kquant.BlockWeight). A fused projection whose parts the file stores in different
 types is a SplitWeight of its parts. F32 stays on the dense path.
 """
@@ -26,7 +26,8 @@ from quill.kernels.dequant import unpack_blocks
 GROUP = 32
 SMALL_BATCH = 16  # up to this many rows always go through the GEMV kernel
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
-PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16})
+PACKABLE = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16,
+                      Q.Q2_K, Q.Q3_K})
 
 
 class GroupWeight:

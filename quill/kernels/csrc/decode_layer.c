@@ -25,7 +25,8 @@ int quill_isa_used(int isa);
 
 typedef struct QWeight {
     int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 + k = AMX-tiled kind k,
-                 7 + k = GGUF blocks of kquant.c's kind k (0..7: Q4_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, Q5_K, F16, BF16),
+                 7 + k = GGUF blocks of kquant.c's kind k (0..9: Q4_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, Q5_K, F16, BF16,
+                 Q2_K, Q3_K),
                  SPLIT = `parts` stacked */
     int rows, groups;
     const void *codes;
@@ -128,7 +129,7 @@ static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
 }
 
 #define BLOCKS_FIRST 7 /* QWeight kinds BLOCKS_FIRST + k: kquant.c's kind k */
-#define BLOCKS_LAST 14
+#define BLOCKS_LAST 16
 #define SPLIT 20
 
 /* out (B, ld) columns [0, w->rows) = x (B, K) @ W.T, without the bias. */

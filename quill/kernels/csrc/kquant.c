@@ -1,5 +1,5 @@
 /* GEMV / small GEMM and dequantization straight from GGUF's own K-quant blocks, so a weight stays
- * as small in memory as in the file (Q4_K: 4.5 bits per weight, Q6_K: 6.5625).
+ * as small in memory as in the file (Q2_K: 2.625 bits per weight, Q3_K: 3.4375, Q4_K: 4.5, Q6_K: 6.5625).
  *
  * A row of K weights is K / 256 super-blocks. Each block is read as 8 groups of 32 weights; a
  * group's 32 codes become fp32 weights exactly as GGUF defines them (the same products, in the
@@ -8,29 +8,40 @@
  *        w = (d * sc[g]) * q - (dmin * m[g]),   q in 0..15
  *   Q6_K (210 bytes: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d fp16)
  *        w = (d * sc[16-element chunk]) * (q - 32),   q in 0..63
+ *   Q2_K (84 bytes: 16 bytes of 4-bit scale | 4-bit min << 4, 64 bytes of 2-bit codes, d, dmin fp16)
+ *        w = (d * sc[chunk]) * q - (dmin * m[chunk]),   q in 0..3
+ *   Q3_K (110 bytes: 32 bytes of high bits, 64 bytes of 2-bit low codes, 12 bytes of 6-bit scales, d fp16)
+ *        w = (d * (sc[chunk] - 32)) * q,   q = low - (high bit ? 0 : 4), in -4..3
  * Dequantization computes exactly those weights. The GEMV computes the same dot product
- * reassociated: per group sc * (codes . x) (Q6_K: per 16 weights), minus min * sum(x) for Q4_K.
+ * reassociated: per group sc * (codes . x) (Q6_K, Q2_K, Q3_K: per 16 weights), minus min * sum(x)
+ * for Q4_K / Q5_K / Q2_K (AVX2; the AVX-512 Q2_K / Q3_K rows scale each 16 weights once instead).
  * Activations stay fp32: nothing is rounded beyond the file's own quantization and fp32 sums.
  *
  * Batch invariance: each (row, item) accumulates groups in order in two accumulators, then one
  * horizontal sum, whatever B is or where the item sits. Tiles over B only share the decoded
  * codes between items.
  *
- * Block layouts are facts from GGML's format (ggml-common.h block_q4_K / block_q6_K and the
- * reference dequantize_row_q4_K / _q6_K); the code is written here.
+ * Block layouts are facts from GGML's format (ggml-common.h block_q2_K .. block_q6_K and the
+ * reference dequantize_row_q2_K .. _q6_K); the code is written here.
  */
 #include <immintrin.h>
 
 #include "simd.h"
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK 256
 #define Q4K_BYTES 144
 #define Q6K_BYTES 210
 #define Q5K_BYTES 176
-#define HAS_MIN(kind) ((kind) == 0 || (kind) == 5) /* Q4_K and Q5_K: weight = d sc q - dmin m, q unsigned */
-#define SUPER_BYTES(kind) ((kind) == 0 ? Q4K_BYTES : (kind) == 5 ? Q5K_BYTES : Q6K_BYTES)
+#define Q2K_BYTES 84
+#define Q3K_BYTES 110
+#define HAS_MIN(kind) ((kind) == 0 || (kind) == 5 || (kind) == 8) /* Q4_K, Q5_K, Q2_K: w = d sc q - dmin m, q unsigned */
+#define PER16(kind) ((kind) == 1 || (kind) == 8 || (kind) == 9) /* Q6_K, Q2_K, Q3_K: a scale per 16 weights */
+#define SUPER_BYTES(kind) \
+    ((kind) == 0 ? Q4K_BYTES : (kind) == 5 ? Q5K_BYTES : (kind) == 8 ? Q2K_BYTES : (kind) == 9 ? Q3K_BYTES : Q6K_BYTES)
 
 int quill_isa_used(int isa);
 
@@ -47,8 +58,16 @@ static inline void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
     }
 }
 
-/* One group's 32 codes as bytes: Q4_K 0..15 unsigned, Q6_K q - 32 signed. */
+/* One group's 32 codes as bytes: Q4_K 0..15 / Q2_K 0..3 unsigned, Q6_K q - 32 / Q3_K -4..3 signed. */
 static inline __m256i group_codes(int kind, const uint8_t *blk, int g) {
+    if (kind == 8 || kind == 9) { /* field g % 4 of the 2-bit codes in bytes [32 (g / 4), +32); Q3_K: bit g of hmask */
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (kind == 8 ? 16 : 32) + 32 * (g >> 2)));
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * (g & 3)), _mm256_set1_epi8(3));
+        if (kind == 8) return low;
+        /* bytes whose bit g is clear hold 1 << g after the andnot; moved to 4 (no bit crosses a byte), then subtracted */
+        const __m256i clear = _mm256_andnot_si256(_mm256_loadu_si256((const __m256i *)blk), _mm256_set1_epi8((char)(1 << g)));
+        return _mm256_sub_epi8(low, g >= 2 ? _mm256_srli_epi16(clear, g - 2) : _mm256_slli_epi16(clear, 2 - g));
+    }
     if (HAS_MIN(kind)) { /* Q5_K: the nibbles start after 32 bytes whose bit g is each element's fifth bit */
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (kind == 5 ? 48 : 16) + 32 * (g >> 1)));
         const __m256i nib = _mm256_and_si256((g & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
@@ -84,19 +103,43 @@ static inline void codes8(int kind, __m256i codes, __m256 w[4]) {
 }
 
 /* One group's weights exactly as GGUF's reference dequantization computes them: (scale * code) - min,
- * a product then a difference (s0 for codes 0..15, s1 for 16..31). */
-static inline void weights8(int kind, __m256i codes, float s0, float s1, float mn, __m256 w[4]) {
+ * a product then a difference (s0, m0 for codes 0..15, s1, m1 for 16..31). */
+static inline void weights8(int kind, __m256i codes, float s0, float s1, float m0, float m1, __m256 w[4]) {
     codes8(kind, codes, w);
-    const __m256 m = _mm256_set1_ps(mn);
-    for (int i = 0; i < 4; i++) w[i] = _mm256_sub_ps(_mm256_mul_ps(w[i], _mm256_set1_ps(i < 2 ? s0 : s1)), m);
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_sub_ps(_mm256_mul_ps(w[i], _mm256_set1_ps(i < 2 ? s0 : s1)), _mm256_set1_ps(i < 2 ? m0 : m1));
 }
 
-/* A block's scales (and Q4_K's mins) as fp32, decoded once per 256 weights with vector ops:
- * Q4_K: sc[g] = d * scale_g, mn[g] = dmin * min_g (g < 8); Q6_K: sc[c] = d * scale_c (c < 16).
+/* A block's scales (and mins) as fp32, decoded once per 256 weights with vector ops:
+ * Q4_K: sc[g] = d * scale_g, mn[g] = dmin * min_g (g < 8); Q6_K: sc[c] = d * scale_c (c < 16);
+ * Q2_K: sc[c] = d * (byte c & 15), mn[c] = dmin * (byte c >> 4); Q3_K: sc[c] = d * (scale_c - 32).
+ * Q3_K's twelve bytes as words u0 u1 u2: scale c = 4k + i has low 4 bits in byte i of (u0, u1, u0 >> 4,
+ * u1 >> 4)[k] and high 2 bits at bit 2k of byte i of u2.
  * Q4_K's twelve bytes, as three little-endian words u0 u1 u2, hold (bit arithmetic of
  * q4k_scale_min above): scales 0-3 = u0 & 0x3f.., mins 0-3 = u1 & 0x3f..,
  * scales 4-7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, mins 4-7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4. */
 static inline void block_scales(int kind, const uint8_t *blk, float *sc, float *mn) {
+    if (kind == 8) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)blk), m4 = _mm_set1_epi8(15);
+        const __m128i s = _mm_and_si128(b, m4), m = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+        const __m256 d = _mm256_set1_ps(f16(blk + 80)), dmin = _mm256_set1_ps(f16(blk + 82));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s))));
+        _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s, 8)))));
+        _mm256_storeu_ps(mn, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m))));
+        _mm256_storeu_ps(mn + 8, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(m, 8)))));
+        return;
+    }
+    if (kind == 9) {
+        uint32_t u[3], v[4];
+        memcpy(u, blk + 96, 12);
+        for (int k = 0; k < 4; k++)
+            v[k] = ((u[k & 1] >> (4 * (k >> 1))) & 0x0f0f0f0fu) | (((u[2] >> (2 * k)) & 0x03030303u) << 4);
+        const __m128i q = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)v), _mm_set1_epi8(32));
+        const __m256 d = _mm256_set1_ps(f16(blk + 108));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+        _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
+        return;
+    }
     if (HAS_MIN(kind)) {
         uint32_t u[3], v[4];
         memcpy(u, blk + 4, 12);
@@ -126,20 +169,21 @@ static inline float min_terms(const float *mn, const float *xs, int G) {
     return hsum8(acc) + tail;
 }
 
-/* Sum of each 32-weight group of x, per item: the Q4_K min terms are m_g * sum(x_g). */
-static void kq_group_sums(const float *x, float *xs, int B, int K) {
+/* Sum of each 32-weight group of x (16-weight chunk for Q2_K), per item: the min terms are m_g * sum(x_g). */
+static void kq_group_sums(const float *x, float *xs, int B, int K, int width) {
     for (int b = 0; b < B; b++)
-        for (int g = 0; g < K / 32; g++) {
-            const float *p = x + (long)b * K + 32L * g;
-            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-            xs[(long)b * (K / 32) + g] = hsum8(s);
+        for (int g = 0; g < K / width; g++) {
+            const float *p = x + (long)b * K + (long)width * g;
+            __m256 s = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+            if (width == 32) s = _mm256_add_ps(s, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+            xs[(long)b * (K / width) + g] = hsum8(s);
         }
 }
 
 /* The GEMV computes, per item and row, sum over groups g of sc * (codes_g . x_g) - mn_g * sum(x_g)
- * (Q4_K), or sum over 16-chunks c of sc_c * (codes_c . x_c) with codes q - 32 (Q6_K): the same
- * dot product as the dequantized weights', reassociated; every sum in a fixed order. */
+ * (Q4_K), or sum over 16-chunks c of sc_c * (codes_c . x_c) with codes q - 32 (Q6_K), minus
+ * mn_c * sum(x_c) for Q2_K: the same dot product as the dequantized weights', reassociated; every
+ * sum in a fixed order. */
 
 #define TILE 4
 
@@ -147,22 +191,22 @@ static void kq_group_sums(const float *x, float *xs, int B, int K) {
 static inline __attribute__((always_inline)) void row_256_k(const int kind, const uint8_t *row, int nblk,
                                                              const float *x, const float *xs, long K, float *out, int ld,
                                                              int n, int b0, int nb) {
-    const int bytes = SUPER_BYTES(kind);
+    const int bytes = SUPER_BYTES(kind), nmin = PER16(kind) ? 16 : 8; /* mins per block */
     __m256 acc[TILE], acc2[TILE];
-    float mrow[8 * nblk]; /* the row's Q4_K mins, dotted with the group sums at the end */
+    float mrow[HAS_MIN(kind) ? nmin * nblk : 1]; /* the row's mins, dotted with the group sums at the end */
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm256_setzero_ps();
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * bytes;
-        float sc[16], *mn = mrow + 8 * b;
+        float sc[16], *mn = HAS_MIN(kind) ? mrow + nmin * b : NULL;
         block_scales(kind, blk, sc, mn);
         for (int g = 0; g < 8; g++) {
             __m256 w[4];
             codes8(kind, group_codes(kind, blk, g), w);
-            const __m256 a = _mm256_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g]), c = _mm256_set1_ps(HAS_MIN(kind) ? sc[g] : sc[2 * g + 1]);
+            const __m256 a = _mm256_set1_ps(PER16(kind) ? sc[2 * g] : sc[g]), c = _mm256_set1_ps(PER16(kind) ? sc[2 * g + 1] : sc[g]);
             for (int t = 0; t < nb; t++) {
                 const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
                 const __m256 lo = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xg)));
-                if (HAS_MIN(kind)) { /* one scale for the 32: one dot, one scaled add */
+                if (!PER16(kind)) { /* one scale for the 32: one dot, one scaled add */
                     const __m256 d = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), lo));
                     acc[t] = _mm256_fmadd_ps(a, d, acc[t]);
                 } else {
@@ -174,7 +218,7 @@ static inline __attribute__((always_inline)) void row_256_k(const int kind, cons
     }
     for (int t = 0; t < nb; t++)
         out[(long)(b0 + t) * ld + n] = hsum8(_mm256_add_ps(acc[t], acc2[t]))
-                                       - (HAS_MIN(kind) ? min_terms(mrow, xs + (long)(b0 + t) * (K / 32), 8 * nblk) : 0.f);
+                                       - (HAS_MIN(kind) ? min_terms(mrow, xs + (long)(b0 + t) * nmin * nblk, nmin * nblk) : 0.f);
 }
 
 /* row_256_k with the kind a constant, so no kind test is left in its loops. */
@@ -182,6 +226,8 @@ static void row_256(int kind, const uint8_t *row, int nblk, const float *x, cons
                     int ld, int n, int b0, int nb) {
     if (kind == 0) row_256_k(0, row, nblk, x, xs, K, out, ld, n, b0, nb);
     else if (kind == 5) row_256_k(5, row, nblk, x, xs, K, out, ld, n, b0, nb);
+    else if (kind == 8) row_256_k(8, row, nblk, x, xs, K, out, ld, n, b0, nb);
+    else if (kind == 9) row_256_k(9, row, nblk, x, xs, K, out, ld, n, b0, nb);
     else row_256_k(1, row, nblk, x, xs, K, out, ld, n, b0, nb);
 }
 
@@ -261,6 +307,33 @@ AVX512 static inline __attribute__((always_inline)) void row_q6k_512_n(const uin
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
 }
 
+/* Q2_K / Q3_K, 16 lanes: each 16 weights scaled once (Q3_K: d * sc * q, the exact dequantized weight;
+ * Q2_K: d * sc * q - dmin * m in one FMA), then one FMA per item. */
+AVX512 static inline __attribute__((always_inline)) void row_q23k_512_n(const int kind, const uint8_t *row, int nblk,
+                                                                        const float *x, long K, float *out, int ld,
+                                                                        int n, int b0, const int nb) {
+    __m512 acc[TILE512], acc2[TILE512];
+    for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *blk = row + (long)b * SUPER_BYTES(kind);
+        float sc[16], mn[16];
+        block_scales(kind, blk, sc, mn);
+        for (int g = 0; g < 8; g++) {
+            __m512 w[2];
+            codes16(kind, group_codes(kind, blk, g), w);
+            for (int i = 0; i < 2; i++)
+                w[i] = kind == 8 ? _mm512_fmsub_ps(w[i], _mm512_set1_ps(sc[2 * g + i]), _mm512_set1_ps(mn[2 * g + i]))
+                                 : _mm512_mul_ps(w[i], _mm512_set1_ps(sc[2 * g + i]));
+            for (int t = 0; t < nb; t++) {
+                const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
+                acc[t] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xg), acc[t]);
+                acc2[t] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), acc2[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
+}
+
 /* F(args..., nb) with nb a constant 1..8 (the always-inline row kernels keep their accumulators in
  * registers only when nb is known at compile time). */
 #define NB_SWITCH(F, ...)                                                                           \
@@ -279,6 +352,8 @@ AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *
                            float *out, int ld, int n, int b0, int nb) {
     if (kind == 0) { NB_SWITCH(row_512_n, 0, row, nblk, x, xs, K, out, ld, n, b0) }
     else if (kind == 5) { NB_SWITCH(row_512_n, 5, row, nblk, x, xs, K, out, ld, n, b0) }
+    else if (kind == 8) { NB_SWITCH(row_q23k_512_n, 8, row, nblk, x, K, out, ld, n, b0) }
+    else if (kind == 9) { NB_SWITCH(row_q23k_512_n, 9, row, nblk, x, K, out, ld, n, b0) }
     else { NB_SWITCH(row_q6k_512_n, row, nblk, x, K, out, ld, n, b0) }
 }
 
@@ -450,21 +525,33 @@ long quill_kq_row_bytes(int kind, int K) {
     case 4: return K % QK ? 0 : (long)(K / QK) * IQ4XS_BYTES;
     case 5: return K % QK ? 0 : (long)(K / QK) * Q5K_BYTES;
     case 6: case 7: return K % 32 ? 0 : 2L * K; /* F16, BF16 */
+    case 8: return K % QK ? 0 : (long)(K / QK) * Q2K_BYTES;
+    case 9: return K % QK ? 0 : (long)(K / QK) * Q3K_BYTES;
     default: return 0;
     }
 }
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
- * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS, 5 = Q5_K, 6 = F16, 7 = BF16);
+ * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS, 5 = Q5_K, 6 = F16, 7 = BF16, 8 = Q2_K, 9 = Q3_K);
  * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
- * xs: scratch of B * K / 32 floats. isa: 512 = the AVX-512 rows where the CPU has them, else AVX2;
- * threads: this call's OpenMP team. */
+ * xs: scratch of B * K / 32 floats (the AVX2 Q2_K rows allocate their B * K / 16 chunk sums here).
+ * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: this call's OpenMP team. */
 void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                    int isa, int threads) {
     const long row_bytes = quill_kq_row_bytes(kind, K);
     if (!row_bytes) return;
-    if (HAS_MIN(kind)) kq_group_sums(x, xs, B, K);
     const int wide = quill_isa_used(isa) == 512, nblk = K / QK, tile = wide ? TILE512 : TILE;
+    float *sums16 = NULL;
+    if (kind == 8 && !wide) { /* Q2_K on AVX2: a min per 16 weights, so sums of 16 */
+        if (!(sums16 = malloc(sizeof(float) * (size_t)B * (K / 16)))) {
+            for (int b = 0; b < B; b++)
+                for (int n = 0; n < N; n++) out[(long)b * ld + n] = NAN; /* no memory: no silent result */
+            return;
+        }
+        kq_group_sums(x, sums16, B, K, 16);
+        xs = sums16;
+    } else if (HAS_MIN(kind) && kind != 8)
+        kq_group_sums(x, xs, B, K, 32);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = blocks + (long)n * row_bytes;
@@ -477,6 +564,7 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
             else row_256(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
         }
     }
+    free(sums16);
 }
 
 /* Rows [0, N) of `kind`'s blocks -> out (N, K) fp32: prefill tiles and embedding rows. */
@@ -510,12 +598,14 @@ void quill_dequant_kq(int kind, const uint8_t *blocks, float *out, int N, int K,
     for (int n = 0; n < N; n++)
         for (int b = 0; b < K / QK; b++) {
             const uint8_t *blk = blocks + (long)n * row_bytes + (long)b * bytes;
-            float sc[16], mn[8];
+            float sc[16], mn[16];
             block_scales(kind, blk, sc, mn);
             for (int g = 0; g < 8; g++) {
                 __m256 w[4];
-                if (HAS_MIN(kind)) weights8(kind, group_codes(kind, blk, g), sc[g], sc[g], mn[g], w);
-                else weights8(1, group_codes(1, blk, g), sc[2 * g], sc[2 * g + 1], 0.0f, w);
+                const __m256i codes = group_codes(kind, blk, g);
+                if (!PER16(kind)) weights8(kind, codes, sc[g], sc[g], mn[g], mn[g], w);
+                else if (kind == 8) weights8(8, codes, sc[2 * g], sc[2 * g + 1], mn[2 * g], mn[2 * g + 1], w);
+                else weights8(kind, codes, sc[2 * g], sc[2 * g + 1], 0.0f, 0.0f, w);
                 float *o = out + (long)n * K + (long)b * QK + 32 * g;
                 for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, w[i]);
             }
