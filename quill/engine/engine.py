@@ -129,6 +129,8 @@ class LLMEngine:
                 f"{self.block_manager.num_blocks * bs:,} tokens (raise --kv-cache-memory or lower max_tokens)",
                 param="max_tokens", code="context_length_exceeded",
             )
+        if params.logit_bias:  # against the ids the sampler draws from (the model's and tokenizer's vocab, the smaller)
+            params.check_logit_bias(self.runner.sampler.vocab_size)
         if params.constrained:
             self._grammar_compiler().validate(params)
         max_waiting = self.config.scheduler.max_waiting

@@ -1,17 +1,25 @@
-"""Sampler: one step's logits -> token ids (structured mask, min_tokens, penalties, greedy or filtered sampling).
+"""Sampler: one step's logits -> token ids (structured mask, min_tokens, penalties, logit_bias, greedy or filtered sampling).
 
 Processing order for each row:
     1. structured-output mask (disallowed tokens -> -inf); padded vocab ids >= vocab_size -> -inf
     2. min_tokens: while len(output) < min_tokens, block stop_token_ids and EOS (EOS only
        when not ignore_eos)
     3. penalties: repetition (Hugging Face, prompt + output), presence/frequency (OpenAI, output)
-    4. logprobs (when requested) = log_softmax of these *processed* logits, before temperature
-       and before top-k/top-p/min-p. Choice: they describe the distribution the request's
-       constraints and penalties define, independent of how it is then sharpened or cut.
-       (vLLM returns raw-model logprobs by default; ours differ only for rows with a mask,
-       an active min_tokens block or penalties.)
-    5. temperature 0: argmax. Otherwise divide by temperature, then top-k, top-p, min-p,
-       softmax, and draw one token per row.
+    4. logprobs (when requested) = log_softmax of these *processed* logits, before logit_bias,
+       before temperature and before top-k/top-p/min-p. Choice: they describe the distribution
+       the request's constraints and penalties define, independent of how it is then biased,
+       sharpened or cut. (vLLM returns raw-model logprobs by default; ours differ only for rows
+       with a mask, an active min_tokens block or penalties.) logit_bias in particular is left
+       out, as in vLLM, whose default logprobs_mode "raw_logprobs" takes them before any logits
+       processor, its LogitBiasLogitsProcessor included: a token drawn because of a +100 bias
+       is reported with the logprob the request had without the bias.
+    5. logit_bias (OpenAI): each row's {token id: bias} added to its own row only; a token that
+       step 1 or 2 set to -inf stays -inf, so a bias never revives what a grammar forbids.
+       After the penalties, so a repetition penalty scales the model's logit, not the bias
+       (vLLM adds the bias before its penalties; the orders differ only for repetition_penalty,
+       which OpenAI's API does not have: presence/frequency subtract, which commutes).
+    6. temperature 0: argmax (of the biased logits). Otherwise divide by temperature, then
+       top-k, top-p, min-p, softmax, and draw one token per row.
 
 Seeded rows draw only from their own generator, one row at a time, so a seeded request
 gets the same tokens whatever else shares the batch. Unseeded rows share one draw from
@@ -187,6 +195,9 @@ class Sampler:
         x, errors = self._process(logits, rows)  # (B, V)
         token_ids = [-1] * len(rows)
         ok = [i for i in range(len(rows)) if i not in errors]
+        wanted = [i for i in ok if rows[i].params.logprobs is not None]
+        logprobs = torch.log_softmax(x[wanted], dim=-1) if wanted else None  # (L, V), before the bias (step 4)
+        self._add_bias(x, rows, [i for i in ok if rows[i].params.logit_bias])
         greedy = [i for i in ok if rows[i].params.greedy]
         sampled = [i for i in ok if not rows[i].params.greedy]
         if greedy:
@@ -197,7 +208,7 @@ class Sampler:
             picks = self._sample(x[sampled], [rows[i] for i in sampled])
             for i, token in zip(sampled, picks):
                 token_ids[i] = token
-        return SamplerOutput(token_ids, self._logprobs(x, rows, token_ids, ok), errors)
+        return SamplerOutput(token_ids, self._logprobs(logprobs, wanted, rows, token_ids), errors)
 
     def _is_plain_greedy(self, row: SamplingRow) -> bool:
         p = row.params
@@ -205,6 +216,7 @@ class Sampler:
             p.greedy
             and p.logprobs is None
             and row.allowed_mask is None
+            and not p.logit_bias
             and not has_penalties(p)
             and len(row.output_token_ids) >= p.min_tokens
         )
@@ -227,6 +239,8 @@ class Sampler:
                     self._block(x[i], blocked, constrained=row.has_grammar)
                 if has_penalties(row.params):
                     x[i] = apply_penalties(x[i], row.prompt_token_ids, row.output_token_ids, row.params)
+                if row.params.logit_bias:  # checked here so that a bad id fails its row alone; added in step 5
+                    self._check_bias(row.params.logit_bias)
             except Exception as exc:  # noqa: BLE001 - this row's failure, reported for it alone
                 errors[i] = exc
         # A row with a NaN, or with no finite logit left, cannot be drawn from (softmax would be NaN).
@@ -265,7 +279,23 @@ class Sampler:
         if constrained and not bool(torch.isfinite(x_row).any()):
             x_row[index] = saved
 
-    # ---- step 5: temperature, filters, draw
+    # ---- step 5: logit_bias
+
+    def _check_bias(self, bias: dict[int, float]) -> None:
+        bad = next((t for t in bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:  # the engine refuses these at admission; this guards direct callers
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    @staticmethod
+    def _add_bias(x: torch.Tensor, rows: list[SamplingRow], biased: list[int]) -> None:
+        """x (B, V) in place: row i gets its own request's bias; rows without one are not touched
+        (and a batch with none costs nothing). -inf + bias stays -inf."""
+        for i in biased:
+            bias = rows[i].params.logit_bias
+            ids = torch.tensor(list(bias), dtype=torch.long, device=x.device)
+            x[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=x.dtype, device=x.device))
+
+    # ---- step 6: temperature, filters, draw
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> list[int]:  # x (S, V)
         params = [row.params for row in rows]
@@ -288,15 +318,15 @@ class Sampler:
                 picks[j] = _draw_one(probs[j], row.generator)
         return picks
 
-    # ---- step 4: logprobs of the processed logits
+    # ---- step 4: logprobs of the processed logits (computed before the bias, read after the draw)
 
     @staticmethod
-    def _logprobs(x: torch.Tensor, rows: list[SamplingRow], token_ids: list[int], ok: list[int]) -> list[dict | None]:
-        wanted = [i for i in ok if rows[i].params.logprobs is not None]
+    def _logprobs(logprobs: torch.Tensor | None, wanted: list[int], rows: list[SamplingRow],
+                  token_ids: list[int]) -> list[dict | None]:
+        """logprobs (L, V): log_softmax of rows `wanted` (in that order) before logit_bias."""
         result: list[dict | None] = [None] * len(rows)
         if not wanted:
             return result
-        logprobs = torch.log_softmax(x[wanted], dim=-1)  # (L, V)
         chosen_index = _column([token_ids[i] for i in wanted], logprobs, torch.long)
         chosen = logprobs.gather(1, chosen_index).squeeze(1).tolist()
         kmax = max(rows[i].params.logprobs for i in wanted)

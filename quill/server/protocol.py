@@ -206,8 +206,6 @@ def unsupported_fields(req: _SamplingFields) -> None:
     """Refuse OpenAI fields quill cannot honour rather than silently ignoring them."""
     from quill.server.errors import bad_request
 
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by quill", "logit_bias", "unsupported_parameter")
     if isinstance(req, ChatCompletionRequest):
         if req.tools and req.tool_choice != "none":
             raise bad_request("tools (function calling) are not supported by quill", "tools", "unsupported_parameter")
@@ -237,7 +235,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int):
     _, max_name = requested_max_tokens(req)
     names = {**(_CHAT_PARAM_NAMES if chat else {}), "max_tokens": max_name, **source}
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=1 if req.n is None else req.n,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens or 0,
@@ -255,8 +253,11 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int):
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias=req.logit_bias,
             **constraint,
         )
+        params.check_logit_bias(vocab_size)  # the engine checks again, against what it can sample
+        return params
     except ParamError as exc:
         param = names.get(exc.param, exc.param)
         message = str(exc).split(": ", 1)[-1]
