@@ -3,7 +3,11 @@ shape, carry llama.cpp's tensor-type mix, valid blocks, and generate; the recipe
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,6 +72,51 @@ def test_q8_0_q4_0_q6_k_recipes():
     assert set(_full_types("qwen2.5-1.5b", "Q6_K").values()) == {"Q6_K", "F32"}
 
 
+def test_q2_k_and_q3_k_m_recipes():
+    types = _full_types("llama-3.2-1b", "Q2_K")  # n_gqa = 4: attn_v Q4_K
+    assert _layers_with(types, "attn_v.weight", "Q4_K") == list(range(16))
+    assert _layers_with(types, "attn_output.weight", "Q3_K") == list(range(16))
+    assert _layers_with(types, "ffn_down.weight", "Q3_K") == list(range(16))
+    assert {types[f"blk.3.{n}.weight"] for n in ("attn_q", "attn_k", "ffn_gate", "ffn_up")} == {"Q2_K"}
+    assert types["token_embd.weight"] == "Q6_K"
+    assert _full_types("phi-4-mini", "Q2_K")["blk.0.attn_qkv.weight"] == "Q3_K"  # n_gqa = 3
+    assert _full_types("llama-3.1-8b", "Q2_K")["token_embd.weight"] == "Q2_K"  # untied: the default
+    q3 = _full_types("llama-3.1-8b", "Q3_K_M")  # 32 layers: n_layer / 16 = 2
+    assert _layers_with(q3, "attn_v.weight", "Q5_K") == [0, 1] and _layers_with(q3, "attn_v.weight", "Q4_K") == list(range(2, 32))
+    assert _layers_with(q3, "ffn_down.weight", "Q5_K") == [0, 1] and _layers_with(q3, "ffn_down.weight", "Q4_K") == list(range(2, 32))
+    assert _layers_with(q3, "attn_output.weight", "Q4_K") == list(range(32))
+    assert {q3[f"blk.9.{n}.weight"] for n in ("attn_q", "attn_k", "ffn_gate", "ffn_up")} == {"Q3_K"}
+    assert q3["output.weight"] == "Q6_K" and q3["token_embd.weight"] == "Q3_K"
+    assert _layers_with(_full_types("llama-3.2-1b", "Q3_K_M"), "ffn_down.weight", "Q5_K") == [0]  # 16 / 16 = 1
+    gemma = _full_types("gemma-3-1b", "Q2_K")  # rows of 1152: Q2_K / Q3_K fall back to Q4_0
+    assert gemma["blk.2.attn_q.weight"] == "Q4_0" and gemma["blk.2.ffn_down.weight"] == "Q3_K"  # 6912 = 27 x 256
+    assert gemma["blk.2.attn_v.weight"] == "Q5_0"  # Q4_K (n_gqa = 4), then its fallback
+
+
+def _llama_quantize() -> Path | None:
+    """llama.cpp's quantizer where the reference build is set up (LLAMA_BIN from ../shared/tools/llamacpp.sh)."""
+    tool = Path(os.environ.get("LLAMA_BIN", "/nonexistent")) / "llama-quantize"
+    return tool if tool.is_file() else None
+
+
+@pytest.mark.skipif(_llama_quantize() is None, reason="needs llama.cpp's llama-quantize (LLAMA_BIN)")
+def test_recipes_equal_llama_quantize(tmp_path):
+    """Every --quant's types equal what llama-quantize writes from the same F16 file: small widths,
+    n_gqa 4 and 2, 16 and 18 layers, and rows of 320 (fallbacks, untied output)."""
+    env = {**os.environ, "LD_LIBRARY_PATH": os.environ["LLAMA_BIN"]}
+    base = MODELS["llama-3.2-1b"]
+    for hidden, kv_heads, layers, tied in ((256, 2, 16, True), (256, 4, 18, True), (320, 2, 4, False)):
+        s = dataclasses.replace(base, hidden=hidden, heads=hidden // 32, kv_heads=kv_heads, head_dim=32, ffn=768,
+                                layers=layers, tied=tied)
+        f16 = tmp_path / "f16.gguf"
+        write_synth(f16, s, "F16", vocab=VOCAB)
+        for quant in (q for q in synth.QUANTS if q != "F16"):
+            out = tmp_path / f"{quant}.gguf"
+            subprocess.run([str(_llama_quantize()), str(f16), str(out), quant, "1"], check=True, capture_output=True, env=env)
+            written = {t.name: t.tensor_type.name for t in GGUFReader(out).tensors}
+            assert written == plan_types(s, tensor_plan(s, layers, VOCAB), quant, layers), (hidden, kv_heads, quant)
+
+
 def test_gemma_rows_of_1152_fall_back():
     """1152 is not a multiple of 256: llama.cpp's fallbacks (Q4_K->Q5_0, Q6_K->Q8_0, IQ4_XS->IQ4_NL)."""
     types = _full_types("gemma-3-1b", "Q4_K_M")
@@ -93,7 +142,8 @@ def test_parameter_counts_match_the_models():
 # --- real-width files through quill -----------------------------------------------------------
 
 CASES = [(arch, "Q4_K_M") for arch in ARCH_DEFAULTS] + \
-        [("llama", q) for q in ("Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "IQ4_XS", "F16")] + [("gemma3", "Q8_0")]
+        [("llama", q) for q in ("Q8_0", "Q4_0", "Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "F16")] + \
+        [("gemma3", "Q8_0"), ("gemma3", "Q2_K")]
 
 
 @pytest.mark.parametrize("arch,quant", CASES)
@@ -156,6 +206,27 @@ def test_blocks_are_valid(tmp_path, quant):
         assert np.isfinite(w).all(), t.name
         assert 0.005 < float(w.std()) < 0.1 and float(np.abs(w).max()) < 0.5, (t.name, w.std(), np.abs(w).max())
     assert seen
+
+
+@pytest.mark.parametrize("quant,low", [("Q2_K", {"Q2_K", "Q3_K"}), ("Q3_K_M", {"Q3_K"})])
+def test_low_bit_k_files_stay_in_their_blocks(tmp_path, quant, low):
+    """Q2_K / Q3_K tensors load as their own blocks (kquant.c kinds 8 and 9), so the resident weights
+    stay within 1.1x the file's tensor bytes; an untied 8B-wide file so token_embd keeps the default type."""
+    from quill.kernels.kquant import BlockWeight
+    from quill.models.loader import load_model
+
+    path = tmp_path / f"{quant}.gguf"
+    result = write_synth(path, MODELS["llama-3.1-8b"], quant, num_layers=1, vocab=VOCAB)
+    assert low <= set(result.types.values())
+    loaded = load_model(str(path), context_len=64)
+    weights = []
+    for m in loaded.model.modules():
+        w = getattr(m, "weight", None)
+        weights += getattr(w, "parts", [w])
+    kept = {w.qtype.name for w in weights if isinstance(w, BlockWeight)}
+    assert low <= kept, kept
+    tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    assert loaded.model.resident_bytes() <= 1.1 * tensor_bytes
 
 
 def test_real_vocab_is_padded_with_unused_tokens(tmp_path):

@@ -31,7 +31,8 @@ with OLMo 2's other settings. Granite-3.3-2B's config was not found either, so `
 writes Granite-3.2-2B, whose config was.
 
 The tensor-type mix follows llama.cpp's `src/llama-quant.cpp` (stored ggml-org/llama.cpp @007dbbf3;
-the same rules are in the copy llama-cpp-python 0.3.36 vendors), see `tensor_type()`.
+the same rules are in the copy llama-cpp-python 0.3.36 vendors; the Q2_K and Q3_K_M rules and their
+fallback to Q4_0 are read from that vendored copy), see `tensor_type()`.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ _FTYPES = {  # --quant -> (llama_ftype, default tensor type), llama_ftype_get_de
     "F16": ("MOSTLY_F16", "F16"),
     "Q8_0": ("MOSTLY_Q8_0", "Q8_0"),
     "Q4_0": ("MOSTLY_Q4_0", "Q4_0"),
+    "Q2_K": ("MOSTLY_Q2_K", "Q2_K"),
+    "Q3_K_M": ("MOSTLY_Q3_K_M", "Q3_K"),
     "Q4_K_M": ("MOSTLY_Q4_K_M", "Q4_K"),
     "Q5_K_M": ("MOSTLY_Q5_K_M", "Q5_K"),
     "Q6_K": ("MOSTLY_Q6_K", "Q6_K"),
@@ -137,7 +140,7 @@ _FTYPES = {  # --quant -> (llama_ftype, default tensor type), llama_ftype_get_de
 }
 QUANTS = tuple(_FTYPES)
 # tensor_type_fallback(): a type whose block does not divide the row length falls back to these.
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 
 
 def _block(type_name: str) -> int:
@@ -170,12 +173,15 @@ def tensor_type(quant: str, name: str, cols: int, layer: int, num_layers: int, g
 
     llama_tensor_get_type_impl(): the output tensor, and token_embd when there is no output tensor
     (tied), get Q8_0 if their rows do not fit the default type's block, else Q6_K unless the default is
-    Q8_0. attn_v and attn_qkv (category_is_attn_v) get Q5_K for IQ4_XS when n_gqa >= 4, and Q6_K for
-    Q4_K_M / Q5_K_M in the layers use_more_bits() picks (counted over the attn_v tensors, which the
-    loader's weight map sorts by layer, so the count is the layer). ffn_down: Q6_K where use_more_bits()
-    for Q4_K_M and Q5_K_M; Q5_K in the first eighth of the layers for IQ4_XS without an imatrix.
-    Nothing else changes for these ftypes. Then tensor_type_fallback() swaps a type whose block does not
-    divide the row (Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0, IQ4_XS->IQ4_NL; F16 if still not)."""
+    Q8_0. attn_v and attn_qkv (category_is_attn_v) get Q5_K for IQ4_XS when n_gqa >= 4, Q6_K for
+    Q4_K_M / Q5_K_M in the layers use_more_bits() picks, Q4_K for Q2_K when n_gqa >= 4 (else Q3_K), and
+    for Q3_K_M Q5_K in the first two and Q4_K after (counted over the attn_v tensors, which the loader's
+    weight map sorts by layer, so the count is the layer). ffn_down: Q6_K where use_more_bits() for
+    Q4_K_M and Q5_K_M; Q5_K in the first eighth of the layers for IQ4_XS without an imatrix; Q3_K for
+    Q2_K; for Q3_K_M Q5_K in the first sixteenth, else Q4_K (Q3_K only for Falcon). attn_output: Q3_K for
+    Q2_K, Q4_K for Q3_K_M (no experts, not Falcon). Nothing else changes for these ftypes (an untied
+    token_embd keeps the default). Then tensor_type_fallback() swaps a type whose block does not divide
+    the row (Q2_K, Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0, IQ4_XS->IQ4_NL; F16 if still not)."""
     ftype, new = _FTYPES[quant][0], _FTYPES[quant][1]
     if new == "F16":  # not a quantized ftype: every weight keeps the converter's F16
         return new
@@ -186,12 +192,25 @@ def tensor_type(quant: str, name: str, cols: int, layer: int, num_layers: int, g
         elif new != "Q8_0":
             new = "Q6_K"
     elif cat in ("attn_v", "attn_qkv"):
-        if ftype == "MOSTLY_IQ4_XS" and gqa >= 4:
+        if ftype == "MOSTLY_Q2_K":
+            new = "Q4_K" if gqa >= 4 else "Q3_K"
+        elif ftype == "MOSTLY_Q3_K_M":
+            new = "Q5_K" if layer < 2 else "Q4_K"
+        elif ftype == "MOSTLY_IQ4_XS" and gqa >= 4:
             new = "Q5_K"
         elif ftype in ("MOSTLY_Q4_K_M", "MOSTLY_Q5_K_M") and _use_more_bits(layer, num_layers):
             new = "Q6_K"
+    elif cat == "attn_output":
+        if ftype == "MOSTLY_Q2_K":
+            new = "Q3_K"
+        elif ftype == "MOSTLY_Q3_K_M":
+            new = "Q4_K"
     elif cat == "ffn_down":
-        if ftype == "MOSTLY_Q4_K_M":
+        if ftype == "MOSTLY_Q2_K":
+            new = "Q3_K"
+        elif ftype == "MOSTLY_Q3_K_M":
+            new = "Q5_K" if layer < num_layers // 16 else "Q4_K"
+        elif ftype == "MOSTLY_Q4_K_M":
             if _use_more_bits(layer, num_layers):
                 new = "Q6_K"
         elif layer < num_layers // 8 and ftype == "MOSTLY_IQ4_XS":
@@ -280,7 +299,8 @@ def plan_types(s: Shape, plan: list[TensorPlan], quant: str, num_layers: int) ->
 # byte (codes, 6-bit sub-block scales, high bits) may take any value. Magnitudes keep |w| around 0.05,
 # like trained weights: Q8_0 d*q (q int8), Q4_0 d*(q-8), Q5_0 d*(q-16), Q4_1/Q5_1 d*q + m,
 # Q4_K/Q5_K d*sc*q - dmin*m (6-bit sc, m), Q6_K d*sc*(q-32) (int8 sc), IQ4_NL d*k[q] and IQ4_XS
-# d*(ls-32)*k[q] (k in [-127, 113], 6-bit ls).
+# d*(ls-32)*k[q] (k in [-127, 113], 6-bit ls), Q2_K d*sc*q - dmin*m (4-bit sc, m; q 0..3, d at 80, dmin
+# at 82) and Q3_K d*(sc-32)*q (6-bit sc, q -4..3, d at 108).
 _SCALE_FIELDS = {
     "Q8_0": ((0, 0.05 / 127),),
     "Q4_0": ((0, 0.05 / 8),),
@@ -292,6 +312,8 @@ _SCALE_FIELDS = {
     "Q6_K": ((208, 0.05 / (128 * 32)),),
     "IQ4_NL": ((0, 0.05 / 127),),
     "IQ4_XS": ((0, 0.05 / (32 * 127)),),
+    "Q2_K": ((80, 0.1 / (15 * 3)), (82, 0.05 / 15)),
+    "Q3_K": ((108, 0.05 / (32 * 4)),),
 }
 
 
