@@ -14,7 +14,7 @@
  *        w = (d * (sc[chunk] - 32)) * q,   q = low - (high bit ? 0 : 4), in -4..3
  * Dequantization computes exactly those weights. The GEMV computes the same dot product
  * reassociated: per group sc * (codes . x) (Q6_K, Q2_K, Q3_K: per 16 weights), minus min * sum(x)
- * for Q4_K / Q5_K / Q2_K (AVX2; the AVX-512 Q2_K / Q3_K rows scale each 16 weights once instead).
+ * for Q4_K / Q5_K / Q2_K (the AVX-512 Q2_K / Q3_K rows scale each 16 weights once instead of the dot).
  * Activations stay fp32: nothing is rounded beyond the file's own quantization and fp32 sums.
  *
  * Batch invariance: each (row, item) accumulates groups in order in two accumulators, then one
@@ -113,8 +113,8 @@ static inline void weights8(int kind, __m256i codes, float s0, float s1, float m
 /* A block's scales (and mins) as fp32, decoded once per 256 weights with vector ops:
  * Q4_K: sc[g] = d * scale_g, mn[g] = dmin * min_g (g < 8); Q6_K: sc[c] = d * scale_c (c < 16);
  * Q2_K: sc[c] = d * (byte c & 15), mn[c] = dmin * (byte c >> 4); Q3_K: sc[c] = d * (scale_c - 32).
- * Q3_K's twelve bytes as words u0 u1 u2: scale c = 4k + i has low 4 bits in byte i of (u0, u1, u0 >> 4,
- * u1 >> 4)[k] and high 2 bits at bit 2k of byte i of u2.
+ * Q3_K's twelve bytes: scale c has its low 4 bits in byte c % 8's nibble c / 8 and, for c = 4k + i, its
+ * high 2 bits at bit 2k of byte 8 + i (so word k of u2 >> 2k, masked, holds scales 4k..4k+3).
  * Q4_K's twelve bytes, as three little-endian words u0 u1 u2, hold (bit arithmetic of
  * q4k_scale_min above): scales 0-3 = u0 & 0x3f.., mins 0-3 = u1 & 0x3f..,
  * scales 4-7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, mins 4-7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4. */
@@ -130,11 +130,12 @@ static inline void block_scales(int kind, const uint8_t *blk, float *sc, float *
         return;
     }
     if (kind == 9) {
-        uint32_t u[3], v[4];
-        memcpy(u, blk + 96, 12);
-        for (int k = 0; k < 4; k++)
-            v[k] = ((u[k & 1] >> (4 * (k >> 1))) & 0x0f0f0f0fu) | (((u[2] >> (2 * k)) & 0x03030303u) << 4);
-        const __m128i q = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)v), _mm_set1_epi8(32));
+        const __m128i m4 = _mm_set1_epi8(15), lo8 = _mm_loadl_epi64((const __m128i *)(blk + 96));
+        uint32_t u2;
+        memcpy(&u2, blk + 104, 4);
+        const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(lo8, m4), _mm_and_si128(_mm_srli_epi16(lo8, 4), m4));
+        const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)u2), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+        const __m128i q = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi32(high, 4)), _mm_set1_epi8(32));
         const __m256 d = _mm256_set1_ps(f16(blk + 108));
         _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
         _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
@@ -307,11 +308,21 @@ AVX512 static inline __attribute__((always_inline)) void row_q6k_512_n(const uin
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
 }
 
-/* Q2_K / Q3_K, 16 lanes: each 16 weights scaled once (Q3_K: d * sc * q, the exact dequantized weight;
- * Q2_K: d * sc * q - dmin * m in one FMA), then one FMA per item. */
+/* group_codes for Q2_K / Q3_K with AVX-512 byte masks: Q3_K subtracts 4 where bit g of hmask is clear. */
+AVX512 static inline __m256i q23k_codes_512(const int kind, const uint8_t *blk, int g) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (kind == 8 ? 16 : 32) + 32 * (g >> 2)));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * (g & 3)), _mm256_set1_epi8(3));
+    if (kind == 8) return low;
+    const __mmask32 clear = _mm256_testn_epi8_mask(_mm256_loadu_si256((const __m256i *)blk), _mm256_set1_epi8((char)(1 << g)));
+    return _mm256_mask_sub_epi8(low, clear, low, _mm256_set1_epi8(4));
+}
+
+/* Q2_K / Q3_K, 16 lanes: each 16 weights scaled once (d * sc * q, Q3_K's exact dequantized weight), then
+ * one FMA per item; Q2_K's 16 mins per block dotted with x's 16-weight sums (xs) after the block. */
 AVX512 static inline __attribute__((always_inline)) void row_q23k_512_n(const int kind, const uint8_t *row, int nblk,
-                                                                        const float *x, long K, float *out, int ld,
-                                                                        int n, int b0, const int nb) {
+                                                                        const float *x, const float *xs, long K,
+                                                                        float *out, int ld, int n, int b0,
+                                                                        const int nb) {
     __m512 acc[TILE512], acc2[TILE512];
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
     for (int b = 0; b < nblk; b++) {
@@ -320,16 +331,17 @@ AVX512 static inline __attribute__((always_inline)) void row_q23k_512_n(const in
         block_scales(kind, blk, sc, mn);
         for (int g = 0; g < 8; g++) {
             __m512 w[2];
-            codes16(kind, group_codes(kind, blk, g), w);
-            for (int i = 0; i < 2; i++)
-                w[i] = kind == 8 ? _mm512_fmsub_ps(w[i], _mm512_set1_ps(sc[2 * g + i]), _mm512_set1_ps(mn[2 * g + i]))
-                                 : _mm512_mul_ps(w[i], _mm512_set1_ps(sc[2 * g + i]));
+            codes16(kind, q23k_codes_512(kind, blk, g), w);
+            for (int i = 0; i < 2; i++) w[i] = _mm512_mul_ps(w[i], _mm512_set1_ps(sc[2 * g + i]));
             for (int t = 0; t < nb; t++) {
                 const float *xg = x + (long)(b0 + t) * K + (long)b * QK + 32 * g;
                 acc[t] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xg), acc[t]);
                 acc2[t] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), acc2[t]);
             }
         }
+        if (kind == 8)
+            for (int t = 0; t < nb; t++)
+                acc[t] = _mm512_fnmadd_ps(_mm512_loadu_ps(mn), _mm512_loadu_ps(xs + (long)(b0 + t) * (K / 16) + 16L * b), acc[t]);
     }
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
 }
@@ -352,8 +364,8 @@ AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *
                            float *out, int ld, int n, int b0, int nb) {
     if (kind == 0) { NB_SWITCH(row_512_n, 0, row, nblk, x, xs, K, out, ld, n, b0) }
     else if (kind == 5) { NB_SWITCH(row_512_n, 5, row, nblk, x, xs, K, out, ld, n, b0) }
-    else if (kind == 8) { NB_SWITCH(row_q23k_512_n, 8, row, nblk, x, K, out, ld, n, b0) }
-    else if (kind == 9) { NB_SWITCH(row_q23k_512_n, 9, row, nblk, x, K, out, ld, n, b0) }
+    else if (kind == 8) { NB_SWITCH(row_q23k_512_n, 8, row, nblk, x, xs, K, out, ld, n, b0) }
+    else if (kind == 9) { NB_SWITCH(row_q23k_512_n, 9, row, nblk, x, xs, K, out, ld, n, b0) }
     else { NB_SWITCH(row_q6k_512_n, row, nblk, x, K, out, ld, n, b0) }
 }
 
@@ -534,7 +546,7 @@ long quill_kq_row_bytes(int kind, int K) {
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
  * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS, 5 = Q5_K, 6 = F16, 7 = BF16, 8 = Q2_K, 9 = Q3_K);
  * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
- * xs: scratch of B * K / 32 floats (the AVX2 Q2_K rows allocate their B * K / 16 chunk sums here).
+ * xs: scratch of B * K / 32 floats (Q2_K allocates its B * K / 16 chunk sums here).
  * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: this call's OpenMP team. */
 void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                    int isa, int threads) {
@@ -542,7 +554,7 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
     if (!row_bytes) return;
     const int wide = quill_isa_used(isa) == 512, nblk = K / QK, tile = wide ? TILE512 : TILE;
     float *sums16 = NULL;
-    if (kind == 8 && !wide) { /* Q2_K on AVX2: a min per 16 weights, so sums of 16 */
+    if (kind == 8) { /* Q2_K: a min per 16 weights, so sums of 16 */
         if (!(sums16 = malloc(sizeof(float) * (size_t)B * (K / 16)))) {
             for (int b = 0; b < B; b++)
                 for (int n = 0; n < N; n++) out[(long)b * ld + n] = NAN; /* no memory: no silent result */
@@ -550,7 +562,7 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
         }
         kq_group_sums(x, sums16, B, K, 16);
         xs = sums16;
-    } else if (HAS_MIN(kind) && kind != 8)
+    } else if (HAS_MIN(kind))
         kq_group_sums(x, xs, B, K, 32);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++) {
