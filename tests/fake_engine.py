@@ -62,8 +62,11 @@ class FakeEngine:
     """Implements the AsyncEngine surface the server uses."""
 
     def __init__(self, *, max_model_len=512, max_num_seqs=4, max_waiting=None, token_delay=0.005,
-                 prefill_delay_per_token=0.0, block_size=4, num_blocks=256):
+                 prefill_delay_per_token=0.0, block_size=4, num_blocks=256, greedy_text=GREEDY_TEXT):
         self.tokenizer = FakeTokenizer()
+        # What a greedy request writes (ASCII, one token per character), then EOS: a string, or a
+        # function of the prompt's text, so that a test can script each request's output.
+        self.greedy_text = greedy_text
         self.model_config = None
         self.max_model_len = max_model_len
         self.model_name = "fake-model"
@@ -153,7 +156,8 @@ class FakeEngine:
 
     async def _run(self, req: _Request) -> None:
         p = req.params
-        choices = [_Choice(i, p) for i in range(p.n)]
+        script = self.greedy_text(self.tokenizer.decode(req.prompt_ids)) if callable(self.greedy_text) else self.greedy_text
+        choices = [_Choice(i, p, script) for i in range(p.n)]
         for c in choices:
             c.metrics = RequestMetrics(prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached)
         acquired = False
@@ -246,9 +250,10 @@ class FakeEngine:
 class _Choice:
     """One completion's canned text, stop handling and incremental deltas."""
 
-    def __init__(self, index, params):
+    def __init__(self, index, params, greedy_text=GREEDY_TEXT):
         self.index = index
         self.params = params
+        self.greedy_text = greedy_text
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0
@@ -263,9 +268,9 @@ class _Choice:
     def _next_token(self) -> int:
         p, k = self.params, len(self.ids)
         if p.temperature == 0:
-            if k >= len(GREEDY_TEXT) and not p.ignore_eos and k >= p.min_tokens:
+            if k >= len(self.greedy_text) and not p.ignore_eos and k >= p.min_tokens:
                 return EOS
-            return ord(GREEDY_TEXT[k % len(GREEDY_TEXT)])
+            return ord(self.greedy_text[k % len(self.greedy_text)])
         return ord(self.rng.choice("abcdefghij klmnop"))
 
     def step(self, tokenizer, req) -> None:

@@ -120,11 +120,17 @@ class StreamingText:
         return out
 
     def _holdback(self, text: str) -> int:
-        """Length of the longest suffix of text that is a prefix of some stop string."""
-        longest = 0
-        for stop in self.stop:
-            for length in range(min(len(stop), len(text)), longest, -1):
-                if text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return partial_match_len(text, self.stop)
+
+
+def partial_match_len(text: str, markers) -> int:
+    """Length of the longest suffix of text that is a prefix of some marker: the text a stream
+    must hold back while it may still turn into one (stop strings here; the reasoning markers
+    of quill.reasoning use the same rule)."""
+    longest = 0
+    for marker in markers:
+        for length in range(min(len(marker), len(text)), longest, -1):
+            if text.endswith(marker[:length]):
+                longest = length
+                break
+    return longest

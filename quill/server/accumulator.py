@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quill.reasoning import ReasoningParser, count_reasoning_tokens
 from quill.server.responses import TokenText, chat_logprobs, completion_logprobs, timings, usage
 
 
@@ -12,17 +13,19 @@ class Delta:
     """What is new for one choice since the last chunk."""
 
     index: int
-    text: str
+    text: str  # the answer's new text (chat with reasoning parsed: content only)
     logprobs: list[dict] | None  # engine entries for the new tokens; None when not requested
     finish_reason: str | None
     stop_reason: str | int | None
     text_offset: int  # characters of this choice already sent (completions logprobs)
+    reasoning: str = ""  # new reasoning text (chat with reasoning_format deepseek)
 
 
 class Accumulator:
     """Tracks every choice of a request (prompt p, completion j -> choice index p * n + j)."""
 
-    def __init__(self, *, kind, response_id, model, created, n, num_prompts, names: TokenText, echo, include_usage):
+    def __init__(self, *, kind, response_id, model, created, n, num_prompts, names: TokenText, echo, include_usage,
+                 reasoning_opened: bool | None = None):
         self.kind = kind  # "chat" | "completion"
         self.id = response_id
         self.model = model
@@ -38,6 +41,10 @@ class Accumulator:
         self.sent: dict[int, str] = {}
         self.sent_logprobs: dict[int, int] = {}
         self.finished: set[int] = set()
+        # Chat with reasoning_format deepseek: whether the prompt opened a think block (else None:
+        # the text goes out untouched); one parser per choice splits reasoning from content.
+        self.reasoning_opened = reasoning_opened
+        self.parsers: dict[int, ReasoningParser] = {}
 
     # ---- bookkeeping ----------------------------------------------------------------
 
@@ -70,10 +77,19 @@ class Accumulator:
             done = self.sent_logprobs.get(index, 0)
             new_logprobs = completion.logprobs[done:]
             self.sent_logprobs[index] = len(completion.logprobs)
-        if not (text or new_logprobs or completion.finished):
-            return []
         self.sent[index] = before + text
-        return [Delta(index, text, new_logprobs, completion.finish_reason, completion.stop_reason, len(before))]
+        reasoning = ""
+        if self.reasoning_opened is not None:
+            parser = self.parsers.get(index)
+            if parser is None:
+                parser = self.parsers[index] = ReasoningParser(self.reasoning_opened)
+            reasoning, text = parser.feed(text)
+            if completion.finished:
+                more_reasoning, more_text = parser.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        if not (text or reasoning or new_logprobs or completion.finished):
+            return []
+        return [Delta(index, text, new_logprobs, completion.finish_reason, completion.stop_reason, len(before), reasoning)]
 
     @property
     def all_finished(self) -> bool:
@@ -81,7 +97,11 @@ class Accumulator:
 
     def usage(self) -> dict:
         generated = sum(len(c.token_ids) for c in self.latest.values())
-        return usage(sum(self.prompt_tokens), generated, sum(self.cached_tokens))
+        reasoning_tokens = None
+        if self.reasoning_opened is not None:
+            reasoning_tokens = sum(count_reasoning_tokens(self.parsers[i], c.token_ids, self.names.decode)
+                                   for i, c in self.latest.items() if i in self.parsers)
+        return usage(sum(self.prompt_tokens), generated, sum(self.cached_tokens), reasoning_tokens)
 
     def timings(self) -> dict:
         groups = []
@@ -112,22 +132,28 @@ class Accumulator:
         return []
 
     def chunks(self, prompt_index: int, output) -> list[dict]:
-        chunks = [self._chunk([self._choice_delta(d)]) for d in self.update(prompt_index, output)]
+        chunks = [self._chunk([choice]) for d in self.update(prompt_index, output) for choice in self._choice_deltas(d)]
         if chunks and self.all_finished and not self.include_usage:
             chunks[-1]["timings"] = self.timings()
         return chunks
 
-    def _choice_delta(self, d: Delta) -> dict:
+    def _choice_deltas(self, d: Delta) -> list[dict]:
+        """One chunk's choice, or two when a step ends the reasoning and starts the answer: the
+        reasoning first, then the content (with the step's logprobs and finish_reason)."""
+        before = []
         if self.kind == "chat":
             lp = chat_logprobs(d.logprobs, self.names) if d.logprobs else None
-            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp, "finish_reason": d.finish_reason}
+            if d.reasoning and d.text:
+                before.append({"index": d.index, "delta": {"reasoning_content": d.reasoning}, "logprobs": None, "finish_reason": None})
+            delta = {"content": d.text} if d.text else {"reasoning_content": d.reasoning} if d.reasoning else {}
+            choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
         else:
             offset = len(self._echo(d.index)) + d.text_offset
             lp = completion_logprobs(d.logprobs, self.names, offset) if d.logprobs else None
             choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
         if d.finish_reason is not None:
             choice["stop_reason"] = d.stop_reason
-        return choice
+        return [*before, choice]
 
     def closing_chunk(self) -> dict | None:
         """The usage chunk (choices: []), when stream_options.include_usage asked for it."""
@@ -158,6 +184,9 @@ class Accumulator:
         if self.kind == "chat":
             lp = chat_logprobs(entries, self.names) if entries is not None else None
             message = {"role": "assistant", "content": c.text}
+            if index in self.parsers:
+                reasoning, content = self.parsers[index].message()
+                message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
             return {"index": index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         echo = self._echo(index)
         lp = completion_logprobs(entries, self.names, len(echo)) if entries is not None else None

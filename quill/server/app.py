@@ -29,8 +29,10 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 class ServerState:
     """What the routes share: the engine (None while loading), names, limits, drain state."""
 
-    def __init__(self, engine, served_model_name, api_key, max_body_bytes, retry_after, limits: HTTPLimits):
+    def __init__(self, engine, served_model_name, api_key, max_body_bytes, retry_after, limits: HTTPLimits,
+                 reasoning_format: str | None = None):
         self.engine = None
+        self.reasoning_format = reasoning_format  # --reasoning-format; None: from the chat template
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -127,13 +129,19 @@ def create_app(
     retry_after: float = 1.0,
     static_dir: Path | None = STATIC_DIR,
     limits: HTTPLimits | None = None,
+    reasoning_format: str | None = None,
 ) -> FastAPI:
     """The server app. `engine` may be None and attached later (attach_engine) so that
-    /health can answer 503 while the model loads."""
+    /health can answer 503 while the model loads. `reasoning_format` ("none" | "deepseek"; None:
+    decided from the model's chat template) is the default for chat requests that name none."""
     from quill import __version__
 
     app = FastAPI(title="quill", version=__version__, description="OpenAI-compatible API for the quill inference engine")
-    state = ServerState(engine, served_model_name, api_key, max_body_bytes, retry_after, limits or HTTPLimits())
+    if reasoning_format is not None:
+        from quill.reasoning import check_reasoning_format
+
+        check_reasoning_format(reasoning_format)
+    state = ServerState(engine, served_model_name, api_key, max_body_bytes, retry_after, limits or HTTPLimits(), reasoning_format)
     app.state.quill = state
 
     def count_error(err: APIError) -> None:

@@ -164,7 +164,22 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state)
     params = to_sampling_params(body, max_tokens, engine.tokenizer.vocab_size)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = [Job(response_id, ids, None)]
-    return await _generate(request, state, engine, body, "chat", response_id, jobs, params, echo=None)
+    return await _generate(request, state, engine, body, "chat", response_id, jobs, params, echo=None,
+                           reasoning_opened=reasoning_opened(state, engine, body, ids))
+
+
+def reasoning_opened(state, engine, body: ChatCompletionRequest, ids: list[int]) -> bool | None:
+    """None when this request's reasoning format is `none` (the text stays whole in content); else
+    whether its prompt left the output inside a think block. The format: the request's
+    reasoning_format, else `quill serve --reasoning-format`, else the model template's default."""
+    from quill.reasoning import default_reasoning_format, prompt_ids_open_reasoning
+
+    chosen = body.reasoning_format or state.reasoning_format
+    if chosen is None:
+        chosen = default_reasoning_format(getattr(engine.tokenizer, "chat_template", None))
+    if chosen == "none":
+        return None
+    return prompt_ids_open_reasoning(engine.tokenizer.decode, ids)
 
 
 async def completions(request: Request, body: CompletionRequest, state) -> Response:
@@ -184,7 +199,7 @@ async def completions(request: Request, body: CompletionRequest, state) -> Respo
     return await _generate(request, state, engine, body, "completion", response_id, jobs, params, echo=echo)
 
 
-async def _generate(request, state, engine, body, kind, response_id, jobs, params, echo) -> Response:
+async def _generate(request, state, engine, body, kind, response_id, jobs, params, echo, reasoning_opened=None) -> Response:
     """Run the jobs; answer one JSON body, or hand the group to an SSE response."""
     acc = Accumulator(
         kind=kind,
@@ -196,6 +211,7 @@ async def _generate(request, state, engine, body, kind, response_id, jobs, param
         names=TokenText(engine.tokenizer),
         echo=echo,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+        reasoning_opened=reasoning_opened,
     )
     names = state.param_names(body)
     group = RequestGroup(engine, jobs, params, fault=request.headers.get(FAULT_HEADER))

@@ -136,6 +136,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # llama-server's per-request field: "none" leaves <think>...</think> in content, "deepseek"
+    # moves it to message.reasoning_content; None: the server's --reasoning-format (quill.reasoning).
+    reasoning_format: Literal["none", "deepseek"] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -10,13 +10,18 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; completion_tokens_details.reasoning_tokens only where reasoning is
+    parsed (reasoning_format deepseek), as vLLM reports it only with a reasoning parser."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def _round(x: float | None, digits: int = 3) -> float | None:
@@ -80,6 +85,9 @@ class TokenText:
             text = self._tokenizer.decode([token_id])
             self._cache[token_id] = text
         return text
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
 
     def entry(self, token_id: int, logprob: float) -> dict:
         text = self.text(token_id)

@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=_nonnegative_float, default=30.0, metavar="SECONDS", help="on SIGTERM, how long in-flight requests may finish (default 30)")
     g.add_argument("--max-body-size", type=size_arg, default=4 * 1024 * 1024, metavar="SIZE", help="largest request body (default 4MiB)")
     g.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    g.add_argument("--reasoning-format", choices=["none", "deepseek"], default=None,
+                   help="chat completions: 'deepseek' moves <think>...</think> to message.reasoning_content (streamed as "
+                        "delta.reasoning_content), 'none' leaves it in content; a request's reasoning_format overrides it "
+                        "(default: deepseek when the model's chat template has think markers, else none)")
     c = p.add_argument_group("connections (slow or hostile clients)")
     c.add_argument("--timeout-keep-alive", type=positive_float, default=5.0, metavar="SECONDS",
                    help="close a kept-alive connection idle this long between requests (default 5)")

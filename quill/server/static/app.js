@@ -172,7 +172,9 @@ async function generate() {
     renderMessages();
     return;
   }
-  const body = { model: state.model || undefined, messages: historyForApi(), ...fields, logprobs: true };
+  // reasoning_format "none": a thinking model's <think>...</think> stays in the answer this page shows
+  // (its token cells and gauges follow content), rather than going to a reasoning_content it does not draw.
+  const body = { model: state.model || undefined, messages: historyForApi(), ...fields, logprobs: true, reasoning_format: "none" };
   const msg = { role: "assistant", content: "", tokens: [], chunks: 0, pending: true };
   const controller = new AbortController();
   state.chat.messages.push(msg);
