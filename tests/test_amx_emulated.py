@@ -357,7 +357,8 @@ def test_emulated_amx_gemv_matches_fp64_reference(case, batch):
     G = t.groups
     xg = x64.reshape(batch, G, GROUP)
     unit = np.array([[split_group(xg[b, g].astype(F32))[2] for g in range(G)] for b in range(batch)], np.float64)
-    scale, mins = w.scale.numpy().astype(np.float64), w.mins.numpy().astype(np.float64)
+    scale = w.scale.numpy().astype(np.float64)
+    mins = np.zeros_like(scale) if w.mins is None else w.mins.numpy().astype(np.float64)  # None: all zero
     abs_sc = np.abs(codes.reshape(t.rows, G, GROUP)) * np.abs(scale)[..., None]  # |scale * code| per weight
     digit_err = np.einsum("bg,ngk->bn", unit / 2, abs_sc)  # half a unit per element
     magnitude = np.einsum("bgk,ngk->bn", np.abs(xg), abs_sc) + np.abs(xg).sum(-1) @ np.abs(mins).T

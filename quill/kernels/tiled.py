@@ -1,9 +1,9 @@
 """The AMX tiled layout: packed weights rearranged into 16 x 64 int8 tiles for Intel AMX (TMUL).
 
 Same values as the packed layout (value = scale * code + min), only reordered, so nothing is
-lost. Scales and mins stay fp16 where the file had them so (Q4_0, Q4_1, Q8_0) and Q8_0's
-all-zero mins are dropped, so it is smaller than the packed layout. The
-kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit
+lost. Scales and mins stay fp16 where the file had them so (Q4_0, Q4_1, Q8_0) and all-zero mins
+(Q8_0's, which the packed layout already leaves out) are dropped, so it is smaller than the packed
+layout. The kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit
 (rows % 16 or cols % 64) and CPUs without AMX keep the packed layout.
 """
 
@@ -97,8 +97,8 @@ def tile_weight(w: PackedWeight) -> TiledWeight | None:
     tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
     if w.kind == "q4":
         tiles = tiles[..., :512] | (tiles[..., 512:] << 4)
-    half = _fp16_exact(w.scale, w.mins)  # GGUF stores Q4_0/Q4_1/Q8_0 scales in fp16: no loss to keep them so
-    mins = None if not bool(w.mins.any()) else _blocked(w.mins, n, w.groups, half)
+    half = _fp16_exact(*(t for t in (w.scale, w.mins) if t is not None))  # GGUF's fp16 scales: no loss to keep them so
+    mins = None if w.mins is None or not bool(w.mins.any()) else _blocked(w.mins, n, w.groups, half)
     return TiledWeight(w.kind, tiles.contiguous(), _blocked(w.scale, n, w.groups, half), mins)
 
 

@@ -5,6 +5,8 @@
  *       and element j+16 (high nibble) -- the GGUF Q4_0/Q4_1 order, so loading is a copy.
  *   q8: one signed byte per element.
  *   value = scale[n,g] * code + min[n,g]   (fp32 scale and min per group)
+ *   mins may be NULL: every min is zero (Q8_0), and none are stored. See ZERO_MINS below for why
+ *   skipping the min terms gives the very bits the all-zero mins gave.
  *
  * Batch invariance: every (row, batch item) is reduced in the same order -- groups in
  * order, within a group four 8-wide FMAs in order, then one horizontal sum -- whatever B
@@ -17,6 +19,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* ZERO_MINS -- mins == NULL means every min is zero and none is stored (Q8_0). The row kernels then
+ * write A + 0.f, A being the summed scaled group dot products, bit for bit what an all-zero (+0) mins
+ * array gave: that added (A + M) + T, M and T the min terms summed from +0 over +0 * (group sum);
+ * for a finite group sum each product is +-0 and +0 + +-0 = +0, so M = T = +0 and the output was
+ * A + 0 (A itself but for A = -0, which became +0: the explicit + 0.f, which the compiler keeps
+ * without -ffast-math, does the same). The one difference: a non-finite group sum (an inf or NaN in
+ * x, or a group sum overflowing fp32) made the old min term 0 * inf = NaN; the output is now what the
+ * codes give, for an inf or NaN in x non-finite too (inf, -inf or NaN), never a finite number.
+ * The dequantized tile keeps its FMA, with a +0 min: the same bits as before. */
 
 static void group_sums(const float *x, float *xs, int B, int G) {
     for (int b = 0; b < B; b++)
@@ -71,6 +82,7 @@ static inline __m256 dot32(const __m256 w[4], const float *xg) {
                 acc[t] = _mm256_fmadd_ps(s, dot32(w, x + (b0 + t) * K + (long)g * 32), acc[t]);   \
         }                                                                                         \
         for (int t = 0; t < nb; t++) { /* the min terms: one dot product of mins and group sums */ \
+            if (!mn) { out[(long)(b0 + t) * N + n] = hsum8(acc[t]) + 0.f; continue; } /* ZERO_MINS */ \
             const float *xst = xs + (long)(b0 + t) * G;                                           \
             __m256 m = _mm256_setzero_ps();                                                       \
             int h = 0;                                                                            \
@@ -138,6 +150,10 @@ AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
             }                                                                                     \
         }                                                                                         \
         for (int t = 0; t < nb; t++) {                                                            \
+            if (!mn) { /* ZERO_MINS */                                                            \
+                out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) + 0.f; \
+                continue;                                                                         \
+            }                                                                                     \
             const float *xst = xs + (long)(b0 + t) * G;                                           \
             __m512 m = _mm512_setzero_ps();                                                       \
             int h = 0;                                                                            \
@@ -176,14 +192,15 @@ int quill_hw_avx512(void) {
 /* The width a call with `isa` (256 or 512) runs: 512 only where the CPU has it. */
 int quill_isa_used(int isa) { return isa >= 512 && quill_hw_avx512() ? 512 : 256; }
 
-/* out (B, ld) columns [0, N) = x (B, K) @ W.T ; xs is scratch of B*G floats; ld is out's row stride (N
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T ; xs is scratch of B*G floats (unused when mins is NULL: all
+ * zero, no min terms); ld is out's row stride (N
  * for a whole output, more when W is one part of a fused projection whose parts differ in type).
  * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: the OpenMP team for this call
  * (the caller's own count). */
 #define GEMV_FN(NAME, CODE_T, BYTES_PER_GROUP, ROW, ROW512)                                          \
     void NAME##_ld(const CODE_T *codes, const float *scale, const float *mins, const float *x, float *xs, \
                    float *out, int N, int G, int B, int ld, int isa, int threads) {                  \
-        group_sums(x, xs, B, G);                                                                     \
+        if (mins) group_sums(x, xs, B, G); /* only the min terms read them */                      \
         const int wide = quill_isa_used(isa) == 512;                                                 \
         _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")          \
         for (int n = 0; n < N; n++) {                                                                \
@@ -191,7 +208,8 @@ int quill_isa_used(int isa) { return isa >= 512 && quill_hw_avx512() ? 512 : 256
             const int tile = wide ? TILE512 : TILE;                                                  \
             for (int b0 = 0; b0 < B; b0 += tile) {                                                   \
                 int nb = B - b0 < tile ? B - b0 : tile;                                              \
-                (wide ? ROW512 : ROW)(row, scale + (long)n * G, mins + (long)n * G, x, xs, out, ld, n, G, b0, nb); \
+                const float *mn = mins ? mins + (long)n * G : NULL; /* NULL: ZERO_MINS */            \
+                (wide ? ROW512 : ROW)(row, scale + (long)n * G, mn, x, xs, out, ld, n, G, b0, nb);   \
             }                                                                                        \
         }                                                                                            \
     }                                                                                                \
@@ -212,7 +230,8 @@ GEMV_FN(quill_gemv_q8, int8_t, 32, row_q8, row_q8_512)
             for (int g = 0; g < G; g++) {                                                            \
                 __m256 w[4];                                                                         \
                 UNPACK(codes + ((long)n * G + g) * BYTES_PER_GROUP, w);                              \
-                __m256 s = _mm256_set1_ps(scale[(long)n * G + g]), m = _mm256_set1_ps(mins[(long)n * G + g]); \
+                __m256 s = _mm256_set1_ps(scale[(long)n * G + g]);                                   \
+                __m256 m = mins ? _mm256_set1_ps(mins[(long)n * G + g]) : _mm256_setzero_ps(); /* ZERO_MINS */ \
                 float *o = out + ((long)n * G + g) * 32;                                             \
                 for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(w[i], s, m)); \
             }                                                                                        \
