@@ -80,6 +80,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device (default cpu)")
     g.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8: quantize an fp16/bf16/fp32 model's linear layers (per-32 group, symmetric) at load")
+    g.add_argument("--activations", choices=["exact", "int8"], default=None,
+                   help="int8: round each 32 activations to int8 with their own scale before the quantized "
+                        "GEMV/GEMM (AVX-512 VNNI; Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_1, Q8_0 weights; "
+                        "as llama.cpp does), faster, not bit-exact: `quill bench accuracy` reports its top-1 "
+                        "agreement; exact: fp32 activations (default exact, or QUILL_INT8_ACTIVATIONS=1)")
 
 
 def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = None) -> EngineConfig:
@@ -88,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = 
         device=args.device,
         threads=args.threads,
         quantize=args.quantize,
+        activations=args.activations,
         max_model_len=args.max_model_len,
         cache=CacheConfig(
             block_size=args.block_size,

@@ -38,12 +38,14 @@ class LLM:
         device: str = "cpu",
         quantize: str | None = None,
         kv_cache_dtype: str = "auto",
+        activations: str | None = None,
     ):
         config = EngineConfig(
             model=model,
             device=device,
             threads=threads,
             quantize=quantize,
+            activations=activations,
             max_model_len=max_model_len,
             cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks, kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),

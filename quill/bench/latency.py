@@ -39,6 +39,9 @@ def register(subparsers) -> None:
                    help="decode figures only, over a KV cache whose context positions are marked computed without "
                         "running the prefill (their K/V are whatever the pool holds): a step reads exactly the bytes a "
                         "real context would, without minutes of prefill at long contexts; not with --vs")
+    p.add_argument("--activations", choices=["exact", "int8"], default=None,
+                   help="quill's activations in the quantized linears (see `quill serve --activations`; default "
+                        "exact, or QUILL_INT8_ACTIVATIONS=1)")
     p.add_argument("--json", default=None, help="write all figures to this file")
     p.set_defaults(func=run)
 
@@ -114,15 +117,18 @@ def measure_model(model: str | None, args: argparse.Namespace, prefill, batches,
     from quill.bench.quill_runner import QuillRunner
 
     max_len = max(prefill + [c + args.decode_steps + 8 for c in contexts])
-    quill = QuillRunner(model, args.threads, max_len, max(batches), args.kv_cache_dtype, skip_prefill=args.skip_prefill)
+    quill = QuillRunner(model, args.threads, max_len, max(batches), args.kv_cache_dtype, skip_prefill=args.skip_prefill,
+                        activations=args.activations)
     try:
         threads = quill.threads
-        print(f"quill bench latency: {quill.model_name}, {threads} threads, median of {args.repeats}", file=sys.stderr)
+        print(f"quill bench latency: {quill.model_name}, {threads} threads, {quill.activations} activations, median of "
+              f"{args.repeats}", file=sys.stderr)
         if bandwidth is None:
             bandwidth = measure_bandwidth(args.repeats)
         report = {"model": quill.model_name, "path": str(quill.model_path), "threads": threads,
                   "bandwidth_gbs": bandwidth, "weight_bytes": quill.weight_bytes, "file_bytes": quill.file_bytes,
-                  "kv_bytes_per_token": quill.kv_bytes_per_token, "kv_cache_dtype": quill.kv_cache_dtype, "quill": {}}
+                  "kv_bytes_per_token": quill.kv_bytes_per_token, "kv_cache_dtype": quill.kv_cache_dtype,
+                  "activations": quill.activations, "quill": {}}
         tokens = quill.sample_tokens(max(prefill + contexts))
         report["quill"] = _measure(quill, tokens, prefill, batches, contexts, args)
         report["quill"]["gemv_kernel"] = quill.gemv_read_rate(max(args.repeats, 5))
@@ -244,7 +250,8 @@ def _measure(runner, tokens, prefill, batches, contexts, args) -> dict:
 def _print_report(r: dict, prefill, batches, contexts) -> None:
     bw = r["bandwidth_gbs"]
     has_ref = "llama.cpp" in r
-    print(f"model {r['model']}, {r['threads']} threads; measured read bandwidth {bw:.2f} GB/s")
+    print(f"model {r['model']}, {r['threads']} threads, {r.get('activations', 'exact')} activations; measured read "
+          f"bandwidth {bw:.2f} GB/s")
     print(f"bytes per decode step: weights {r['weight_bytes'] / 2**20:.1f} MiB + KV {r['kv_bytes_per_token'] / 1024:.1f} KiB x "
           f"context x batch ({r['kv_cache_dtype']} KV cache)")
     head = f"{'figure':<26}{'quill':>10}" + (f"{'llama.cpp':>12}{'ratio':>8}" if has_ref else "") + f"{'GB/s':>8}{'roofline':>10}"

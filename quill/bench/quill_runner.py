@@ -17,11 +17,11 @@ class QuillRunner:
     """An engine with room for `max_batch` sequences of `max_len` tokens, prefix cache off."""
 
     def __init__(self, model: str | None, threads: int | None, max_len: int, max_batch: int, kv_cache_dtype: str = "auto",
-                 skip_prefill: bool = False):
+                 skip_prefill: bool = False, activations: str | None = None):
         self.skip_prefill = skip_prefill
         blocks = max_batch * (-(-(max_len + 64) // 16)) + 8
         cfg = EngineConfig(
-            model=model, threads=threads, max_model_len=None,
+            model=model, threads=threads, max_model_len=None, activations=activations,
             cache=CacheConfig(block_size=16, enable_prefix_caching=False, num_blocks_override=blocks,
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max(max_batch, 16)),
@@ -35,6 +35,7 @@ class QuillRunner:
         self.file_bytes = self.engine.loaded.file_bytes  # the GGUF's size on disk (stat), as `quill info` reports
         self.kv_bytes_per_token = self.engine.kv_cache.bytes_per_token
         self.kv_cache_dtype = self.engine.kv_cache_dtype
+        self.activations = "int8" if self.engine.kernel_options.int8 else "exact"
         self._ids = 0
 
     def close(self) -> None:

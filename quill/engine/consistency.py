@@ -6,6 +6,7 @@ import torch
 
 from quill.engine.scheduler import ScheduledSeq
 from quill.engine.sequence import Sequence
+from quill.kernels.options import use as use_kernel_options
 from quill.sampling_params import SamplingParams
 
 
@@ -14,9 +15,10 @@ def chunk_logits(engine, seq: Sequence, start: int, n: int) -> torch.Tensor:
     runner = engine.runner
     if not engine.block_manager.allocate(seq, n):
         raise RuntimeError("not enough KV blocks for the consistency check")
-    hidden, _ = runner.forward([ScheduledSeq.plan(seq, start, n)])  # (n, H): decodes take the fused path
-    seq.num_computed_tokens = start + n
-    return runner.model.compute_logits(hidden)
+    with use_kernel_options(engine.kernel_options):  # as the engine's step binds them
+        hidden, _ = runner.forward([ScheduledSeq.plan(seq, start, n)])  # (n, H): decodes take the fused path
+        seq.num_computed_tokens = start + n
+        return runner.model.compute_logits(hidden)
 
 
 def prefill_vs_decode(engine, token_ids: list[int], num_prefill: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,7 +62,10 @@ class LLMEngine:
         from quill.kernels.threads import configure_threads
 
         self.threads = configure_threads(kernel_options.threads if kernel_options else config.threads)
-        self.kernel_options = kernel_options or resolve_kernel_options(self.threads)
+        if config.activations not in (None, "exact", "int8"):
+            raise ValueError(f"activations must be 'exact' or 'int8', got {config.activations!r}")
+        int8 = None if config.activations is None else config.activations == "int8"
+        self.kernel_options = kernel_options or resolve_kernel_options(self.threads, int8=int8)
         with use_kernel_options(self.kernel_options):  # the weights' layout (AMX tiles or not) follows them
             self.loaded = loaded or load_model(config.model, device=config.device, quantize=config.quantize,
                                                context_len=config.max_model_len)

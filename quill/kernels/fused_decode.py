@@ -88,7 +88,7 @@ def refusal(model) -> str | None:
 class ModelShape(ctypes.Structure):
     _fields_ = [("hidden", I), ("heads", I), ("kv_heads", I), ("head_dim", I), ("inter", I), ("eps", F),
                 ("scale", F), ("kv16", I), ("kv_slots", ctypes.c_long), ("rotary_dim", I), ("act", I), ("isa", I),
-                ("threads", I), ("residual_scale", F)]
+                ("threads", I), ("residual_scale", F), ("int8", I)]
 
 
 class StepArgs(ctypes.Structure):
@@ -130,10 +130,10 @@ def _layout(w, keep: list) -> QWeight | None:
     if isinstance(w, BlockWeight):
         return QWeight(BLOCKS_KIND + w.kind, w.rows, w.groups, w.blocks.data_ptr(), None, None, None)
     if isinstance(w, PackedWeight):
-        return QWeight(0 if w.kind == "q4" else 1, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(),
-                       w.mins.data_ptr(), None)
-    kind = 3 + w.native_kind  # 3..6: AMX tiled
-    mins = None if w.mins is None else w.mins.data_ptr()
+        kind = 0 if w.kind == "q4" else 1
+    else:
+        kind = 3 + w.native_kind  # 3..6: AMX tiled
+    mins = None if w.mins is None else w.mins.data_ptr()  # NULL: all zero, the kernels skip the min terms
     return QWeight(kind, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(), mins, None)
 
 
@@ -164,7 +164,7 @@ class FusedDecoder:
                                     cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale,
                                     int(kv_layers[0][0].dtype == torch.float16), kv_layers[0][0].shape[1],
                                     cfg.rotary_width, FUSED_ACTIVATIONS[cfg.hidden_act], self.options.isa,
-                                    self.options.threads, cfg.residual_multiplier)
+                                    self.options.threads, cfg.residual_multiplier, int(self.options.int8))
             self._scratch: dict[str, torch.Tensor] = {}
             self._split = self.lib.quill_attention_split()  # context positions per attention task
 
@@ -192,8 +192,9 @@ class FusedDecoder:
         return t
 
     def _scratch_floats(self, batch: int, widest: int) -> int:
-        """Group sums for the packed kernels, or the tiled kernel's digits and scales."""
-        return max(batch * (widest // 32 + 1), -(-self.lib.quill_amx_scratch_bytes(batch, widest) // 4))
+        """Group sums for the packed kernels, the tiled kernel's digits and scales, or int8 activations."""
+        return max(batch * (widest // 32 + 1), -(-self.lib.quill_amx_scratch_bytes(batch, widest) // 4),
+                   -(-self.lib.quill_act8_bytes(batch, widest) // 4))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                 ctx_lens: torch.Tensor, block_size: int, max_ctx: int | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pathlib import Path
 logger = logging.getLogger("quill.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c")]
+SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c", "kquant_i8.c")]
 HEADERS = [CSRC / "simd.h", CSRC / "attend_kv.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
@@ -98,6 +98,18 @@ def load() -> ctypes.CDLL | None:
     lib.quill_dequant_kq.restype = None
     lib.quill_kq_row_bytes.argtypes = [I, I]
     lib.quill_kq_row_bytes.restype = ctypes.c_long
+    # opt-in int8 activations (kquant_i8.c)
+    lib.quill_hw_vnni.argtypes = []
+    lib.quill_hw_vnni.restype = I
+    lib.quill_i8_supported.argtypes = [I]
+    lib.quill_i8_supported.restype = I
+    lib.quill_act8_bytes.argtypes = [I, I]
+    lib.quill_act8_bytes.restype = ctypes.c_long
+    lib.quill_act8_quantize.argtypes = [P, P, I, I, I]
+    lib.quill_act8_quantize.restype = None
+    # kind, codes, scale, mins, x, act, out, N, K, B, ld, isa, threads -> 0, or -1 (no int8 kernel for kind)
+    lib.quill_gemv_i8.argtypes = [I, P, P, P, P, P, P, I, I, I, I, I, I]
+    lib.quill_gemv_i8.restype = I
     lib.quill_read_sum.argtypes = [P, ctypes.c_long]
     lib.quill_read_sum.restype = ctypes.c_double
     return lib

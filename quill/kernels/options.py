@@ -1,8 +1,8 @@
-"""Per-engine kernel choices: which vector width, whether AMX tiles, how many threads.
+"""Per-engine kernel choices: which vector width, whether AMX tiles, int8 activations, how many threads.
 
 Nothing here is process-wide. An engine decides its `KernelOptions` once, when it is built
-(`resolve`: the user's arguments, else the environment switches QUILL_NO_AVX512=1 and
-QUILL_NO_AMX=1 read at that moment, else what the CPU can do), and every C call it makes gets
+(`resolve`: the user's arguments, else the environment switches QUILL_NO_AVX512=1,
+QUILL_NO_AMX=1 and QUILL_INT8_ACTIVATIONS=1 read at that moment, else what the CPU can do), and every C call it makes gets
 them as arguments. The C side only caches what the hardware can run (CPUID), never a choice.
 
 Calls that go through modules shared between engines (a loaded model's linears: prefill tiles,
@@ -25,11 +25,16 @@ ISA_NAMES = {"avx2": 256, "avx512": 512}
 @dataclass(frozen=True)
 class KernelOptions:
     """isa: 512 = the 16-lane AVX-512 kernels, 256 = AVX2 (8 lanes); amx: weights may take the AMX
-    tiled layout (decided when a model is loaded); threads: the OpenMP team of every native call."""
+    tiled layout (decided when a model is loaded); threads: the OpenMP team of every native call;
+    int8: opt-in -- each 32 activations rounded to int8 with their own scale before the GEMV/GEMM of
+    every weight type that has an int8 kernel (csrc/kquant_i8.c: Q4_K, Q5_K, Q6_K, IQ4_XS and the
+    q4/q8 layouts of Q4_0, Q4_1, Q5_1, Q8_0; AVX-512 VNNI rows with isa 512 where the CPU has VNNI,
+    AVX2 rows otherwise); the others, and everything outside linears, stay exact."""
 
     isa: int = 256
     amx: bool = False
     threads: int = 1
+    int8: bool = False
 
     @property
     def isa_name(self) -> str:
@@ -42,6 +47,7 @@ class Hardware:
 
     avx512: bool = False
     amx: bool = False
+    vnni: bool = False  # AVX-512 VNNI: the int8-activation kernels
 
 
 @lru_cache(maxsize=1)
@@ -51,7 +57,7 @@ def hardware() -> Hardware:
     lib = native.load()
     if lib is None:
         return Hardware()
-    return Hardware(avx512=bool(lib.quill_hw_avx512()), amx=bool(lib.quill_amx_hw()))
+    return Hardware(avx512=bool(lib.quill_hw_avx512()), amx=bool(lib.quill_amx_hw()), vnni=bool(lib.quill_hw_vnni()))
 
 
 @lru_cache(maxsize=1)
@@ -62,16 +68,18 @@ def default_threads() -> int:
     return max(1, min(physical_cores(), len(os.sched_getaffinity(0))))
 
 
-def _env_off(name: str) -> bool:
+def _env_set(name: str) -> bool:
     return os.environ.get(name) == "1"
 
 
-def resolve(threads: int | None = None, isa: int | str | None = None, amx: bool | None = None) -> KernelOptions:
+def resolve(threads: int | None = None, isa: int | str | None = None, amx: bool | None = None,
+            int8: bool | None = None) -> KernelOptions:
     """An engine's options: each argument given wins; None means the environment switch
-    (QUILL_NO_AVX512=1 -> AVX2, QUILL_NO_AMX=1 -> no tiles), then the hardware's best."""
+    (QUILL_NO_AVX512=1 -> AVX2, QUILL_NO_AMX=1 -> no tiles, QUILL_INT8_ACTIVATIONS=1 -> int8
+    activations), then the hardware's best (int8 activations only when asked for)."""
     hw = hardware()
     if isa is None:
-        isa = 512 if hw.avx512 and not _env_off("QUILL_NO_AVX512") else 256
+        isa = 512 if hw.avx512 and not _env_set("QUILL_NO_AVX512") else 256
     else:
         isa = ISA_NAMES.get(isa, isa) if isinstance(isa, str) else isa
         if isa not in (256, 512):
@@ -79,13 +87,15 @@ def resolve(threads: int | None = None, isa: int | str | None = None, amx: bool 
         if isa == 512 and not hw.avx512:
             raise ValueError("isa 'avx512' asked for, but this CPU (or build) has no AVX-512 kernels")
     if amx is None:
-        amx = hw.amx and not _env_off("QUILL_NO_AMX")
+        amx = hw.amx and not _env_set("QUILL_NO_AMX")
     elif amx and not hw.amx:
         raise ValueError("amx asked for, but this CPU has no AMX-INT8")
+    if int8 is None:
+        int8 = _env_set("QUILL_INT8_ACTIVATIONS")
     n = default_threads() if threads is None else threads
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
-    return KernelOptions(isa=isa, amx=bool(amx), threads=n)
+    return KernelOptions(isa=isa, amx=bool(amx), threads=n, int8=bool(int8))
 
 
 _active: contextvars.ContextVar[KernelOptions | None] = contextvars.ContextVar("quill_kernel_options", default=None)

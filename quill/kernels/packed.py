@@ -4,6 +4,7 @@ Two layouts cover Q4_0, Q4_1, Q8_0 and Q5_1 (value = scale[n, g] * code + min[n,
 these are also the layouts the AMX tiling converts):
   q4  codes 0..15, two per byte in GGUF's Q4_0/Q4_1 order   <- Q4_0, Q4_1
   q8  one signed byte per code                               <- Q8_0, Q5_1
+Q8_0's mins are all zero and are not stored (`mins` None); Q4_0's are -8 * scale and are.
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, F16 and BF16 keep GGUF's own blocks
 (quill.kernels.kquant.BlockWeight). A fused projection whose parts the file stores in different
 types is a SplitWeight of its parts. F32 stays on the dense path.
@@ -56,12 +57,16 @@ class GroupWeight:
 
 @dataclass
 class PackedWeight(GroupWeight):
-    """(rows, cols) weight as codes plus per-group fp32 scale and min."""
+    """(rows, cols) weight as codes plus per-group fp32 scale and min (no min where all are zero).
+
+    With `mins` None the kernels skip the min terms (csrc/quant_gemv.c's ZERO_MINS: for finite activations
+    the same bits as all-zero mins gave); the torch paths compute scale * code alone, which equals gguf's
+    d * q bit for bit (a zero weight keeps gguf's sign, where adding a +0 min made every zero +0)."""
 
     kind: str  # "q4" | "q8"
     codes: torch.Tensor  # q4: (rows, G*16) uint8; q8: (rows, G*32) int8
     scale: torch.Tensor  # (rows, G) float32
-    mins: torch.Tensor  # (rows, G) float32
+    mins: torch.Tensor | None  # (rows, G) float32, or None: every min is zero (Q8_0, --quantize int8)
 
     @property
     def rows(self) -> int:
@@ -73,11 +78,13 @@ class PackedWeight(GroupWeight):
         lib = native.load()
         if lib is not None:
             fn = lib.quill_dequant_q4 if self.kind == "q4" else lib.quill_dequant_q8
-            fn(self.codes.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(), out.data_ptr(), self.rows, self.groups,
+            fn(self.codes.data_ptr(), self.scale.data_ptr(), _ptr(self.mins), out.data_ptr(), self.rows, self.groups,
                options.current().threads)
             return out
-        out.copy_(self._codes_float().view(self.rows, self.groups, GROUP).mul(self.scale[..., None])
-                  .add(self.mins[..., None]).view(self.rows, self.cols))
+        values = self._codes_float().view(self.rows, self.groups, GROUP).mul(self.scale[..., None])
+        if self.mins is not None:
+            values = values.add(self.mins[..., None])
+        out.copy_(values.view(self.rows, self.cols))
         return out
 
     def _codes_float(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,8 +96,15 @@ class PackedWeight(GroupWeight):
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
-        codes = self._codes_float(ids).view(len(ids), self.groups, GROUP)
-        return (codes * self.scale[ids][..., None] + self.mins[ids][..., None]).view(len(ids), self.cols)
+        values = self._codes_float(ids).view(len(ids), self.groups, GROUP) * self.scale[ids][..., None]
+        if self.mins is not None:
+            values = values + self.mins[ids][..., None]
+        return values.view(len(ids), self.cols)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for a C call, or NULL for an absent one (mins None: all zero)."""
+    return None if t is None else t.data_ptr()
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
@@ -113,7 +127,7 @@ def pack_gguf(qtype, shape: tuple[int, ...], raw: np.ndarray) -> GroupWeight | N
         d = _f16(blocks[..., 0:2])
         if qtype == Q.Q8_0:
             codes = blocks[..., 2:].view(np.int8).reshape(rows, groups * 32)
-            return _make("q8", codes, d, np.zeros_like(d))
+            return _make("q8", codes, d, None)  # all-zero mins: not stored
         if qtype == Q.Q4_0:
             return _make("q4", blocks[..., 2:].reshape(rows, groups * 16), d, -8.0 * d)
         return _make("q4", blocks[..., 4:].reshape(rows, groups * 16), d, _f16(blocks[..., 2:4]))
@@ -121,22 +135,26 @@ def pack_gguf(qtype, shape: tuple[int, ...], raw: np.ndarray) -> GroupWeight | N
     return _make("q8", unpacked.codes.astype(np.int8), unpacked.scales, unpacked.mins)
 
 
-def _make(kind: str, codes: np.ndarray, scale: np.ndarray, mins: np.ndarray) -> PackedWeight:
+def _make(kind: str, codes: np.ndarray, scale: np.ndarray, mins: np.ndarray | None) -> PackedWeight:
     as_t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a, dtype=dt))  # noqa: E731
     return PackedWeight(kind, as_t(codes, np.uint8 if kind == "q4" else np.int8),
-                        as_t(scale, np.float32), as_t(mins, np.float32))
+                        as_t(scale, np.float32), None if mins is None else as_t(mins, np.float32))
 
 
 def concat_rows(parts: list[GroupWeight]) -> GroupWeight:
     """Fuse q/k/v or gate/up: stack rows (all parts share the column count). Parts of one layout
-    become one weight of it; parts of different layouts a SplitWeight."""
+    become one weight of it; parts of different layouts a SplitWeight. Packed parts without mins (all zero)
+    fuse without them; beside a part that has mins, they get explicit zeros (the same values)."""
     from quill.kernels.kquant import BlockWeight
 
     if len(parts) == 1:
         return parts[0]
     if all(isinstance(p, PackedWeight) and p.kind == parts[0].kind for p in parts):
+        mins = None
+        if any(p.mins is not None for p in parts):
+            mins = torch.cat([torch.zeros_like(p.scale) if p.mins is None else p.mins for p in parts])
         return PackedWeight(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                            torch.cat([p.mins for p in parts]))
+                            mins)
     if all(isinstance(p, BlockWeight) and p.qtype == parts[0].qtype for p in parts):
         return BlockWeight(parts[0].qtype, torch.cat([p.blocks for p in parts]))
     return SplitWeight(list(parts))
@@ -208,11 +226,12 @@ class PackedLinear(nn.Module):
         return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
 
     def forward(self, x: torch.Tensor, gemv_rows: int = 0) -> torch.Tensor:
-        """x (T, in) -> (T, out). The first `gemv_rows` rows (decodes) always use the row-invariant kernel."""
+        """x (T, in) -> (T, out). The first `gemv_rows` rows (decodes) always use the row-invariant kernel;
+        with int8 activations every row does, where the weight has an int8 kernel (no fp32 tile then)."""
         x = x.contiguous()
         T = x.shape[0]
         out = torch.empty(T, self.out_features)
-        kernel_rows = T if T <= SMALL_BATCH else gemv_rows
+        kernel_rows = T if T <= SMALL_BATCH or self._int8_all() else gemv_rows
         if self._lib is None:
             kernel_rows = 0
         if kernel_rows:
@@ -231,10 +250,20 @@ class PackedLinear(nn.Module):
 
     def scratch_floats(self, batch: int) -> int:
         """Floats of scratch a GEMV of `batch` rows needs: the group sums of x (B x cols / 32) for the
-        packed and block kernels, the AMX kernel's digits and scales for a tiled weight."""
+        packed and block kernels, the AMX kernel's digits and scales for a tiled weight, the rounded
+        activations for an int8 kernel."""
         w = self.weight
         parts = w.parts if isinstance(w, SplitWeight) else [w]
-        return max(-(-p.scratch_bytes(batch) // 4) if hasattr(p, "scratch_bytes") else batch * p.groups for p in parts)
+        need = max(-(-p.scratch_bytes(batch) // 4) if hasattr(p, "scratch_bytes") else batch * p.groups for p in parts)
+        if self._lib is not None and options.current().int8:
+            need = max(need, -(-self._lib.quill_act8_bytes(batch, self.in_features) // 4))
+        return need
+
+    def _int8_all(self) -> bool:
+        """Whether int8 activations are on and every part of the weight has an int8 kernel."""
+        w = self.weight
+        parts = w.parts if isinstance(w, SplitWeight) else [w]
+        return self._lib is not None and options.current().int8 and all(int8_kind(p, self._lib) is not None for p in parts)
 
     def bind_gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None):
         """The kernel call for x (B, in) -> out (B, out) with its pointers bound: call it to run. It holds
@@ -257,15 +286,39 @@ class PackedLinear(nn.Module):
         from quill.kernels.kquant import BlockWeight
 
         opts = options.current()
+        k8 = int8_kind(w, self._lib) if opts.int8 else None
+        if k8 is not None:
+            scale, mins = (w.scale.data_ptr(), _ptr(w.mins)) if isinstance(w, PackedWeight) else (None, None)
+            codes = w.codes if isinstance(w, PackedWeight) else w.blocks
+            return self._lib.quill_gemv_i8, (k8, codes.data_ptr(), scale, mins, x.data_ptr(), scratch.data_ptr(),
+                                             out.data_ptr(), w.rows, w.cols, x.shape[0], ld or w.rows, opts.isa,
+                                             opts.threads)
         if isinstance(w, BlockWeight):
             return w.bind(x, out, scratch, ld)
         if isinstance(w, PackedWeight):
             fn = self._lib.quill_gemv_q4_ld if w.kind == "q4" else self._lib.quill_gemv_q8_ld
-            return fn, (w.codes.data_ptr(), w.scale.data_ptr(), w.mins.data_ptr(), x.data_ptr(), scratch.data_ptr(),
+            return fn, (w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.mins), x.data_ptr(), scratch.data_ptr(),
                         out.data_ptr(), w.rows, w.groups, x.shape[0], ld or w.rows, opts.isa, opts.threads)
         if ld not in (None, w.rows):  # a TiledWeight (AMX) writes whole rows only; concat_rows never splits one
             raise ValueError("an AMX-tiled weight cannot be one part of a split projection")
         return w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], scratch.data_ptr(), opts.threads)
+
+
+INT8_LAYOUTS = {"q4": 100, "q8": 101}  # csrc/kquant_i8.c's LAYOUT_Q4 / LAYOUT_Q8
+
+
+def int8_kind(w, lib) -> int | None:
+    """kquant_i8.c's kind for a weight (its layouts, or kquant.c's block kind), or None where this CPU has
+    no int8 kernel for it: the one place that decides which weights take int8 activations."""
+    from quill.kernels.kquant import BlockWeight
+
+    if isinstance(w, BlockWeight):
+        kind = w.kind
+    elif isinstance(w, PackedWeight):
+        kind = INT8_LAYOUTS[w.kind]
+    else:
+        return None
+    return kind if lib.quill_i8_supported(kind) else None
 
 
 def _call_each(calls, _alive) -> None:

@@ -18,7 +18,7 @@ def quantize_int8(weight: torch.Tensor) -> PackedWeight:
     scale = groups.abs().amax(dim=-1) / 127.0  # (N, G)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(groups / safe[..., None]).clamp_(-127, 127).to(torch.int8).reshape(rows, cols)
-    return PackedWeight("q8", codes.contiguous(), scale.contiguous(), torch.zeros_like(scale))
+    return PackedWeight("q8", codes.contiguous(), scale.contiguous(), None)  # symmetric: no mins
 
 
 class Int8Weights:

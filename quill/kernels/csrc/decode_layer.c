@@ -22,6 +22,7 @@ void quill_gemv_q8_ld(const int8_t *, const float *, const float *, const float 
 void quill_gemv_kq(int, const uint8_t *, const float *, float *, float *, int, int, int, int, int, int);
 void quill_amx_gemv(int, const void *, const void *, const void *, const float *, float *, int, int, int, void *, int);
 int quill_isa_used(int isa);
+int quill_gemv_i8(int, const uint8_t *, const float *, const float *, const float *, uint8_t *, float *, int, int, int, int, int, int);
 
 typedef struct QWeight {
     int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 + k = AMX-tiled kind k,
@@ -56,6 +57,7 @@ typedef struct {
     int isa;     /* the caller's choice: 512 = AVX-512 kernels where the CPU has them, 256 = AVX2 */
     int threads; /* the caller's OpenMP team size for every parallel region of a call */
     float residual_scale; /* each residual branch is multiplied by it before the add (1 but for Granite) */
+    int int8; /* the caller's choice: activations rounded to int8 where kquant_i8.c has a kernel for the weight */
 } ModelShape;
 
 /* One step's rows. Cache slots come from the block tables here, so the caller's per-step work
@@ -135,6 +137,11 @@ static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
 /* out (B, ld) columns [0, w->rows) = x (B, K) @ W.T, without the bias. */
 static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B, int ld) {
     int N = w->rows, K = w->groups * 32, nt = team(m);
+    if (m->int8) { /* kquant_i8.c's kinds: its layouts 100 (q4), 101 (q8), or kquant.c's block kinds */
+        const int k8 = w->kind == 0 ? 100 : w->kind == 1 ? 101
+                     : w->kind >= BLOCKS_FIRST && w->kind <= BLOCKS_LAST ? w->kind - BLOCKS_FIRST : -1;
+        if (k8 >= 0 && quill_gemv_i8(k8, w->codes, w->scale, w->mins, x, (uint8_t *)sums, out, N, K, B, ld, m->isa, nt) == 0) return;
+    }
     if (w->kind == 0) quill_gemv_q4_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind == 1) quill_gemv_q8_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind >= 3 && w->kind < 7) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums, nt);

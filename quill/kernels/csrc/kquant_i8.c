@@ -1,0 +1,483 @@
+/* Opt-in int8 activations (KernelOptions.int8): the GEMV / GEMM reads the same weights as kquant.c
+ * and quant_gemv.c, but each 32 activations are first rounded to int8 with their own fp32 scale,
+ * so a 64-weight stretch is one integer dot-product instruction (AVX-512 VNNI vpdpbusd) instead of
+ * sixteen fp32 FMAs. This is the one place where quill rounds anything beyond the file's own
+ * quantization; the exact fp32 kernels stay the default.
+ *
+ * Activations (quill_act8_quantize): for each item and each group g of 32 inputs,
+ *   dx[g] = max|x| / 127,  q = round-to-nearest-even(x * (1 / dx[g])) in -127..127,
+ * and alongside them the integer sums the weight formats' offsets need: s16 (each 16 codes' sum, as
+ * a float) and xs[g] = dx[g] * (sum of the group's 32 codes). One item's buffer is
+ *   q: K int8 | dx: K/32 fp32 | xs: K/32 fp32 | s16: K/16 fp32      (act_bytes(K) = 1.5 K bytes).
+ *
+ * A row's result is then exactly sum over groups of (weight scale * dx) * (integer codes . q), minus
+ * the formats' offsets, in fp32:
+ *   Q4_K, Q5_K  w = d sc q - dmin m      -> sum_g d sc_g dx_g (q.x)_g - sum_g dmin m_g xs_g
+ *   Q6_K        w = d sc (q - 32)        -> sum_c d sc_c dx_(c/2) (q.x)_c - 32 sum_c d sc_c dx_(c/2) s16_c
+ *   IQ4_XS      w = d (ls - 32) k[q]     -> codes k[q] + 128 unsigned, minus 128 sum_g scale_g xs_g
+ *   q4 layout   w = scale q + min        -> sum_g scale_g dx_g (q.x)_g + sum_g min_g xs_g
+ *   q8 layout   (Q8_0, Q5_1) the same; its codes are signed, so x + 128 is the unsigned operand and
+ *               the row's own 128 * sum(w) seeds the integer accumulator.
+ * (c: 16-weight chunk, g: 32-weight group; integer dots are exact in int32.)
+ *
+ * Batch invariance: each (row, item) pair runs the same instructions in the same order wherever the
+ * item sits in the batch; tiles of items only share the decoded weights. Block layouts: facts from
+ * GGML's format (ggml-common.h); the code is written here.
+ */
+#include <immintrin.h>
+
+#include "simd.h"
+#include <stdint.h>
+#include <string.h>
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define ALWAYS __attribute__((always_inline))
+#define T8 8       /* items sharing one decode of a row's weights */
+#define ROWS 16    /* rows per task: their weights and a tile of activations stay in L1/L2 together */
+#define LAYOUT_Q4 100 /* quant_gemv.c's layouts, next to kquant.c's block kinds */
+#define LAYOUT_Q8 101
+
+static inline long act_bytes(long K) { return K + K / 8 + K / 8 + K / 4; }
+
+typedef struct {
+    const int8_t *q;
+    const float *dx, *xs, *s16;
+} Act;
+
+static inline Act act_at(const uint8_t *buf, long K, int b) {
+    const uint8_t *p = buf + (long)b * act_bytes(K);
+    return (Act){(const int8_t *)p, (const float *)(p + K), (const float *)(p + K + K / 8), (const float *)(p + K + K / 4)};
+}
+
+long quill_act8_bytes(int B, int K) { return (long)B * act_bytes(K); }
+
+/* What the CPU can run: 1 = AVX-512 with VNNI (probed once; a fact, not a choice). */
+int quill_hw_vnni(void) {
+    static int cached = -1;
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return cached;
+}
+
+/* x (B, K) fp32 -> B activation buffers (layout above). AVX2: every CPU the kernels run on. */
+void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#pragma omp parallel for schedule(static) if (B >= 4) num_threads(threads > 0 ? threads : 1)
+    for (int b = 0; b < B; b++) {
+        uint8_t *p = buf + (long)b * act_bytes(K);
+        int8_t *q = (int8_t *)p;
+        float *dx = (float *)(p + K), *xs = (float *)(p + K + K / 8), *s16 = (float *)(p + K + K / 4);
+        for (int g = 0; g < K / 32; g++) {
+            const float *xg = x + (long)b * K + 32L * g;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xg + 8 * i);
+            __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float d = _mm_cvtss_f32(h) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            __m256i i[4];
+            for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+            /* packs interleave 128-bit lanes; the permute puts the 32 bytes back in element order */
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), order);
+            _mm256_storeu_si256((__m256i *)(q + 32L * g), bytes);
+            const float lo = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[0], i[1])));
+            const float hi = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[2], i[3])));
+            s16[2 * g] = lo;
+            s16[2 * g + 1] = hi;
+            dx[g] = d;
+            xs[g] = d * (lo + hi);
+        }
+    }
+}
+
+static inline float f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+
+/* Lanes 0-7 take element 2j of an 8-float vector, lanes 8-15 element 2j + 1: one group pair's scales. */
+VNNI static inline __m512i pair_index(int j) {
+    return _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                             2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+}
+
+/* Integer dot of 64 unsigned weight codes with 64 int8 activations, four per lane, as fp32 lanes. */
+VNNI static inline __m512 dot64(__m512i seed, __m512i w, const int8_t *x) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(seed, w, _mm512_loadu_si512((const void *)x)));
+}
+
+/* Q4_K / Q5_K's eight 6-bit scales and mins of a block, times d and dmin (the bit layout is the one
+ * kquant.c's block_scales reads). */
+static inline void kmins_scales(const uint8_t *blk, __m256 *sc, __m256 *mn) {
+    uint32_t u[3], v[4];
+    memcpy(u, blk + 4, 12);
+    v[0] = u[0] & 0x3f3f3f3fu;
+    v[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    v[2] = u[1] & 0x3f3f3f3fu;
+    v[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)v);
+    *sc = _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    *mn = _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+}
+
+/* Two 32-byte halves (element order) as one 64-byte vector. */
+VNNI static inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+/* 32 bytes of 4-bit pairs in the [16 low nibbles, 16 high nibbles] per-group order (Q4_0, IQ4) ->
+ * 64 codes of two 32-groups in element order. */
+VNNI static inline __m512i nibble_pairs(__m256i raw) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m512i t = join(_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+    return _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* ---- 256-weight super-block kinds: 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K ---- */
+
+#define Q4K_BYTES 144
+#define Q5K_BYTES 176
+#define Q6K_BYTES 210
+#define IQ4XS_BYTES 136
+static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* One super-block decoded for every item of the tile: w[4] the 256 unsigned codes in element order,
+ * per-group scales (8 floats) or per-16 scales (Q6_K: 16 floats), and the offset's weight factors. */
+typedef struct {
+    __m512i w[4];
+    __m256 sc, off; /* Q4_K/Q5_K: d sc, dmin m; IQ4_XS: scale, scale (offset 128) */
+    __m512 sc16;    /* Q6_K: d sc per 16 weights */
+} Block;
+
+VNNI static inline ALWAYS void decode_block(const int kind, const uint8_t *blk, Block *k) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (kind == 0 || kind == 5) {
+        kmins_scales(blk, &k->sc, &k->off);
+        const uint8_t *qs = blk + (kind == 5 ? 48 : 16);
+        const __m256i qh = kind == 5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (kind == 5) { /* bit g of qh's byte l is element l of group g's fifth bit */
+                const __m256i one = _mm256_set1_epi8(1);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
+            }
+            k->w[j] = join(lo, hi);
+        }
+    } else if (kind == 1) {
+        k->sc16 = _mm512_mul_ps(_mm512_set1_ps(f16(blk + 208)),
+                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+        const __m512i n4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+        for (int h = 0; h < 2; h++) { /* as kquant.c's row_q6k_512_n: runs 0, 1 then runs 2, 3 of each half */
+            const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * h));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const __m512i qh2 = join(qh, _mm256_srli_epi16(qh, 2));
+            k->w[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, n4), _mm512_slli_epi16(_mm512_and_si512(qh2, m2), 4));
+            k->w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), n4),
+                                              _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), m2), 4));
+        }
+    } else { /* IQ4_XS: d fp16, 2 bytes of high scale bits, 4 bytes of low scale nibbles, 128 bytes of indices */
+        const float d = f16(blk);
+        const int high = blk[2] | (blk[3] << 8);
+        float s[8];
+        for (int ib = 0; ib < 8; ib++)
+            s[ib] = d * (float)((((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32);
+        k->sc = k->off = _mm256_loadu_ps(s);
+        __m128i t = _mm_loadu_si128((const __m128i *)IQ4_TABLE);
+        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(t, _mm_set1_epi8((char)128)));
+        for (int j = 0; j < 4; j++)
+            k->w[j] = _mm512_shuffle_epi8(table, nibble_pairs(_mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * j))));
+    }
+}
+
+/* One item's contribution of one super-block (index b of the row) to its accumulators. */
+VNNI static inline ALWAYS void block_item(const int kind, const Block *k, Act a, int b, __m512 *acc, __m512 *off) {
+    const int8_t *x = a.q + 256L * b;
+    if (kind == 1) {
+        const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        const __m512 p = _mm512_mul_ps(k->sc16, _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(a.dx + 8L * b))));
+        for (int j = 0; j < 4; j++) { /* lanes 4i..4i+3 of stretch j: chunk 4j + i */
+            const __m512i idx = _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
+                                                  4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3);
+            *acc = _mm512_fmadd_ps(dot64(_mm512_setzero_si512(), k->w[j], x + 64 * j), _mm512_permutexvar_ps(idx, p), *acc);
+        }
+        *off = _mm512_fmadd_ps(p, _mm512_loadu_ps(a.s16 + 16L * b), *off);
+        return;
+    }
+    const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(k->sc, _mm256_loadu_ps(a.dx + 8L * b)));
+    for (int j = 0; j < 4; j++)
+        *acc = _mm512_fmadd_ps(dot64(_mm512_setzero_si512(), k->w[j], x + 64 * j), _mm512_permutexvar_ps(pair_index(j), p), *acc);
+    *off = _mm512_castps256_ps512(_mm256_fmadd_ps(k->off, _mm256_loadu_ps(a.xs + 8L * b), _mm512_castps512_ps256(*off)));
+}
+
+/* The offset's weight per kind: out = sum(acc) - OFFSET * sum(off). */
+#define OFFSET(kind) ((kind) == 1 ? 32.0f : (kind) == 4 ? 128.0f : 1.0f)
+
+VNNI static inline ALWAYS void kq_row_n(const int kind, const uint8_t *row, int nblk, const uint8_t *act, long K,
+                                        float *out, int ld, int n, int b0, const int nb) {
+    const int bytes = kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
+    __m512 acc[T8], off[T8];
+    for (int t = 0; t < nb; t++) acc[t] = off[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nblk; b++) {
+        Block k;
+        decode_block(kind, row + (long)b * bytes, &k);
+        for (int t = 0; t < nb; t++) block_item(kind, &k, act_at(act, K, b0 + t), b, &acc[t], &off[t]);
+    }
+    for (int t = 0; t < nb; t++) /* only Q6_K's offsets fill all 16 lanes */
+        out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]) -
+                                       OFFSET(kind) * (kind == 1 ? _mm512_reduce_add_ps(off[t]) : hsum8(_mm512_castps512_ps256(off[t])));
+}
+
+#define NB_SWITCH(F, ...)                                                                           \
+    switch (nb) {                                                                                   \
+    case 1: F(__VA_ARGS__, 1); break;                                                               \
+    case 2: F(__VA_ARGS__, 2); break;                                                               \
+    case 3: F(__VA_ARGS__, 3); break;                                                               \
+    case 4: F(__VA_ARGS__, 4); break;                                                               \
+    case 5: F(__VA_ARGS__, 5); break;                                                               \
+    case 6: F(__VA_ARGS__, 6); break;                                                               \
+    case 7: F(__VA_ARGS__, 7); break;                                                               \
+    default: F(__VA_ARGS__, 8); break;                                                              \
+    }
+
+VNNI static void kq_row(int kind, const uint8_t *row, int nblk, const uint8_t *act, long K, float *out, int ld, int n,
+                        int b0, int nb) {
+    if (kind == 0) { NB_SWITCH(kq_row_n, 0, row, nblk, act, K, out, ld, n, b0) }
+    else if (kind == 1) { NB_SWITCH(kq_row_n, 1, row, nblk, act, K, out, ld, n, b0) }
+    else if (kind == 4) { NB_SWITCH(kq_row_n, 4, row, nblk, act, K, out, ld, n, b0) }
+    else { NB_SWITCH(kq_row_n, 5, row, nblk, act, K, out, ld, n, b0) }
+}
+
+/* ---- quant_gemv.c's layouts: 32-weight groups with an fp32 scale and min per (row, group) ---- */
+
+/* Row n of a q4 (16 bytes per group) or q8 (32 signed bytes per group) layout, eight groups at a time
+ * (the last stretch masked where G is not a multiple of 8). */
+VNNI static inline ALWAYS void pk_row_n(const int q8, const uint8_t *codes, const float *scale, const float *mins,
+                                        int G, const uint8_t *act, long K, float *out, int ld, int n, int b0,
+                                        const int nb) {
+    const int per = q8 ? 32 : 16;
+    const uint8_t *row = codes + (long)n * G * per;
+    const float *sr = scale + (long)n * G, *mr = mins ? mins + (long)n * G : NULL;
+    __m512 acc[T8], off[T8];
+    for (int t = 0; t < nb; t++) acc[t] = off[t] = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < G; g0 += 8) {
+        const int ng = G - g0 < 8 ? G - g0 : 8, pairs = (ng + 1) / 2;
+        const __mmask8 gm = (__mmask8)((1u << ng) - 1);
+        const __m256 sc = _mm256_maskz_loadu_ps(gm, sr + g0), mn = mr ? _mm256_maskz_loadu_ps(gm, mr + g0) : _mm256_setzero_ps();
+        __m512i w[4], seed[4];
+        for (int j = 0; j < pairs; j++) {
+            const int two = g0 + 2 * j + 1 < G; /* both groups of the pair exist */
+            const uint8_t *src = row + (long)(g0 + 2 * j) * per;
+            if (q8) {
+                const __m512i raw = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xffffffffULL, src);
+                w[j] = raw; /* signed: the activations take the unsigned side, x + 128 */
+                /* -128 * (each lane's four weights' sum): the dot of x + 128 then starts from it */
+                const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), raw);
+                seed[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+            } else {
+                const __m256i raw = _mm256_maskz_loadu_epi8(two ? 0xffffffffu : 0xffffu, src);
+                w[j] = nibble_pairs(raw);
+                seed[j] = _mm512_setzero_si512();
+            }
+        }
+        for (int t = 0; t < nb; t++) {
+            const Act a = act_at(act, K, b0 + t);
+            const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_maskz_loadu_ps(gm, a.dx + g0)));
+            for (int j = 0; j < pairs; j++) {
+                const __mmask64 xm = g0 + 2 * j + 1 < G ? ~0ULL : 0xffffffffULL;
+                const __m512i x = _mm512_maskz_loadu_epi8(xm, a.q + 32L * (g0 + 2 * j));
+                const __m512i d = q8 ? _mm512_dpbusd_epi32(seed[j], _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80)), w[j])
+                                     : _mm512_dpbusd_epi32(seed[j], w[j], x); /* q8: (x + 128) . w - 128 sum(w) */
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pair_index(j), p), acc[t]);
+            }
+            if (mr) off[t] = _mm512_castps256_ps512(_mm256_fmadd_ps(mn, _mm256_maskz_loadu_ps(gm, a.xs + g0), _mm512_castps512_ps256(off[t])));
+        }
+    }
+    for (int t = 0; t < nb; t++) {
+        const float o = mr ? hsum8(_mm512_castps512_ps256(off[t])) : 0.0f;
+        out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]) + o;
+    }
+}
+
+VNNI static void pk_row(int q8, const uint8_t *codes, const float *scale, const float *mins, int G, const uint8_t *act,
+                        long K, float *out, int ld, int n, int b0, int nb) {
+    if (q8) { NB_SWITCH(pk_row_n, 1, codes, scale, mins, G, act, K, out, ld, n, b0) }
+    else { NB_SWITCH(pk_row_n, 0, codes, scale, mins, G, act, K, out, ld, n, b0) }
+}
+
+/* ---- AVX2 without VNNI (and AVX-512 hosts asked for isa 256): 32 weights at a time. A group's integer
+ * dot is vpmaddubsw (unsigned codes x signed activations, pairs to int16: |sum| <= 2 * 63 * 127 for Q6_K,
+ * no saturation) then vpmaddwd by ones (or Q6_K's per-16 scales) to eight int32 lanes. Signed codes
+ * (IQ4_XS's table values, the q8 layout) use |w| and x with w's sign, so no offset is needed there. Each
+ * (row, item) runs the same instructions in the same order wherever the item sits in the batch. */
+
+#define T4 4
+
+static inline __m256i dot32_u(__m256i w, __m256i x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); }
+static inline __m256i dot32_s(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
+/* 16 nibble bytes -> 32 codes: byte j's low nibble is element j, its high nibble element j + 16. */
+static inline __m256i nibbles16(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+}
+
+/* One group of a super-block kind: its codes, and its weight scale (fp32) and offset factor. Q6_K: the
+ * group's two per-16 scales go in sc16 (int16 lanes) and `scale` is d. */
+typedef struct {
+    __m256i w, sc16;
+    float scale, off;
+} Group;
+
+static inline __attribute__((always_inline)) void group_of(const int kind, const uint8_t *blk, int g, const float *sc,
+                                                            const float *mn, Group *o) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (kind == 0 || kind == 5) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (kind == 5 ? 48 : 16) + 32 * (g >> 1)));
+        __m256i q = _mm256_and_si256((g & 1) ? _mm256_srli_epi16(raw, 4) : raw, m4);
+        if (kind == 5) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)), _mm256_set1_epi8(1)), 4));
+        }
+        o->w = q;
+        o->scale = sc[g];
+        o->off = mn[g];
+    } else if (kind == 1) {
+        const int h = g >> 2, r = g & 3;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (r & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256((r >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
+        o->w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        const int8_t *s8 = (const int8_t *)(blk + 192);
+        o->sc16 = _mm256_set_m128i(_mm_set1_epi16(s8[2 * g + 1]), _mm_set1_epi16(s8[2 * g]));
+        o->scale = sc[0];
+    } else {
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
+        o->w = _mm256_shuffle_epi8(table, nibbles16(blk + 8 + 16 * g));
+        o->scale = sc[g];
+    }
+}
+
+/* A super-block's per-group scales (Q6_K: d alone) and offset factors as fp32. */
+static inline void block_floats(int kind, const uint8_t *blk, float *sc, float *mn) {
+    if (kind == 0 || kind == 5) {
+        __m256 s, m;
+        kmins_scales(blk, &s, &m);
+        _mm256_storeu_ps(sc, s);
+        _mm256_storeu_ps(mn, m);
+    } else if (kind == 1) {
+        sc[0] = f16(blk + 208);
+    } else {
+        const float d = f16(blk);
+        const int high = blk[2] | (blk[3] << 8);
+        for (int ib = 0; ib < 8; ib++)
+            sc[ib] = d * (float)((((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32);
+    }
+}
+
+static inline __attribute__((always_inline)) void kq_row_avx2_n(const int kind, const uint8_t *row, int nblk,
+                                                                 const uint8_t *act, long K, float *out, int ld, int n,
+                                                                 int b0, int nb) {
+    const int bytes = kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
+    __m256 acc[T4];
+    float off[T4];
+    for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *blk = row + (long)b * bytes;
+        float sc[8], mn[8];
+        block_floats(kind, blk, sc, mn);
+        for (int g = 0; g < 8; g++) {
+            Group k;
+            group_of(kind, blk, g, sc, mn, &k);
+            const long gi = 8L * b + g;
+            for (int t = 0; t < nb; t++) {
+                const Act a = act_at(act, K, b0 + t);
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 32 * gi));
+                const __m256i d = kind == 1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(k.w, x), k.sc16)
+                                  : kind == 4 ? dot32_s(k.w, x) : dot32_u(k.w, x);
+                const float s = k.scale * a.dx[gi];
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s), acc[t]);
+                if (kind == 1) { /* -32 * sum of the two chunks' scaled code sums */
+                    const int8_t *s8 = (const int8_t *)(blk + 192);
+                    off[t] += s * ((float)s8[2 * g] * a.s16[2 * gi] + (float)s8[2 * g + 1] * a.s16[2 * gi + 1]);
+                } else if (kind != 4)
+                    off[t] += k.off * a.xs[gi];
+            }
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(acc[t]) - (kind == 1 ? 32.0f : 1.0f) * off[t];
+}
+
+static void kq_row_avx2(int kind, const uint8_t *row, int nblk, const uint8_t *act, long K, float *out, int ld, int n,
+                        int b0, int nb) {
+    if (kind == 0) kq_row_avx2_n(0, row, nblk, act, K, out, ld, n, b0, nb);
+    else if (kind == 1) kq_row_avx2_n(1, row, nblk, act, K, out, ld, n, b0, nb);
+    else if (kind == 4) kq_row_avx2_n(4, row, nblk, act, K, out, ld, n, b0, nb);
+    else kq_row_avx2_n(5, row, nblk, act, K, out, ld, n, b0, nb);
+}
+
+static inline __attribute__((always_inline)) void pk_row_avx2_n(const int q8, const uint8_t *codes, const float *scale,
+                                                                 const float *mins, int G, const uint8_t *act, long K,
+                                                                 float *out, int ld, int n, int b0, int nb) {
+    const uint8_t *row = codes + (long)n * G * (q8 ? 32 : 16);
+    const float *sr = scale + (long)n * G, *mr = mins ? mins + (long)n * G : NULL;
+    __m256 acc[T4];
+    float off[T4];
+    for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
+    for (int g = 0; g < G; g++) {
+        const __m256i w = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * g)) : nibbles16(row + 16L * g);
+        for (int t = 0; t < nb; t++) {
+            const Act a = act_at(act, K, b0 + t);
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 32L * g));
+            const __m256i d = q8 ? dot32_s(w, x) : dot32_u(w, x);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sr[g] * a.dx[g]), acc[t]);
+            if (mr) off[t] += mr[g] * a.xs[g];
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(acc[t]) + off[t];
+}
+
+static void pk_row_avx2(int q8, const uint8_t *codes, const float *scale, const float *mins, int G, const uint8_t *act,
+                        long K, float *out, int ld, int n, int b0, int nb) {
+    if (q8) pk_row_avx2_n(1, codes, scale, mins, G, act, K, out, ld, n, b0, nb);
+    else pk_row_avx2_n(0, codes, scale, mins, G, act, K, out, ld, n, b0, nb);
+}
+
+/* 1 where `kind` (kquant.c's block kinds, LAYOUT_Q4, LAYOUT_Q8) has an int8 kernel: every CPU the kernels
+ * run on (AVX2) has one for these. */
+int quill_i8_supported(int kind) {
+    return kind == 0 || kind == 1 || kind == 4 || kind == 5 || kind == LAYOUT_Q4 || kind == LAYOUT_Q8;
+}
+
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T with x rounded as above. W: `kind`'s blocks (0 Q4_K,
+ * 1 Q6_K, 4 IQ4_XS, 5 Q5_K; K a multiple of 256), or LAYOUT_Q4 / LAYOUT_Q8 codes with per-group scale
+ * and mins (mins may be NULL: all zero). act: scratch of quill_act8_bytes(B, K) bytes. Rows go to
+ * threads in runs of ROWS; within a run, items in tiles meet each row in turn. isa: 512 = the VNNI rows
+ * where the CPU has them, else AVX2. Returns 0, or -1 (nothing written) where the kind has no int8 kernel. */
+int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const float *mins, const float *x,
+                  uint8_t *act, float *out, int N, int K, int B, int ld, int isa, int threads) {
+    if (!quill_i8_supported(kind) || K % (kind >= LAYOUT_Q4 ? 32 : 256)) return -1;
+    quill_act8_quantize(x, act, B, K, threads);
+    const int vnni = isa >= 512 && quill_hw_vnni(), tile = vnni ? T8 : T4;
+    const int runs = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int r = 0; r < runs; r++) {
+        const int n1 = (r + 1) * ROWS < N ? (r + 1) * ROWS : N;
+        for (int b0 = 0; b0 < B; b0 += tile) {
+            const int nb = B - b0 < tile ? B - b0 : tile;
+            for (int n = r * ROWS; n < n1; n++) {
+                if (kind >= LAYOUT_Q4)
+                    (vnni ? pk_row : pk_row_avx2)(kind == LAYOUT_Q8, codes, scale, mins, K / 32, act, K, out, ld, n, b0, nb);
+                else {
+                    const long row_bytes = (long)(K / 256) * (kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES);
+                    (vnni ? kq_row : kq_row_avx2)(kind, codes + (long)n * row_bytes, K / 256, act, K, out, ld, n, b0, nb);
+                }
+            }
+        }
+    }
+    return 0;
+}
