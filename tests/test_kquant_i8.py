@@ -60,15 +60,18 @@ def test_activation_rounding_is_the_stated_one(B):
     buf = torch.empty(LIB.quill_act8_bytes(B, K), dtype=torch.uint8)
     LIB.quill_act8_quantize(x.data_ptr(), buf.data_ptr(), B, K, 2)
     q, d = rounded(x.numpy())
-    per = K + K // 8 + K // 8 + K // 4
+    per = K + K // 8 + K // 8 + K // 4 + K
     for b in range(B):
         item = buf[b * per:(b + 1) * per].numpy()
         assert np.array_equal(item[:K].view(np.int8), q[b])
         assert np.array_equal(item[K:K + K // 8].view(np.float32), d[b])
         s16 = q[b].astype(np.int64).reshape(-1, 16).sum(-1)
-        assert np.array_equal(item[K + K // 4:].view(np.float32), s16.astype(np.float32))
         xs = d[b] * (s16[0::2] + s16[1::2]).astype(np.float32)
         assert np.array_equal(item[K + K // 8:K + K // 4].view(np.float32), xs)
+        assert np.array_equal(item[K + K // 4:K + K // 2].view(np.float32), s16.astype(np.float32))
+        # quad order: per 128 codes, the first 16 of each of four groups, then their last 16
+        quad = q[b].reshape(K // 128, 4, 2, 16).transpose(0, 2, 1, 3).reshape(K)
+        assert np.array_equal(item[K + K // 2:].view(np.int8), quad)
 
 
 @needs_kernels

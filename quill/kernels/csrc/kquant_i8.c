@@ -7,8 +7,13 @@
  * Activations (quill_act8_quantize): for each item and each group g of 32 inputs,
  *   dx[g] = max|x| / 127,  q = round-to-nearest-even(x * (1 / dx[g])) in -127..127,
  * and alongside them the integer sums the weight formats' offsets need: s16 (each 16 codes' sum, as
- * a float) and xs[g] = dx[g] * (sum of the group's 32 codes). One item's buffer is
- *   q: K int8 | dx: K/32 fp32 | xs: K/32 fp32 | s16: K/16 fp32      (act_bytes(K) = 1.5 K bytes).
+ * a float) and xs[g] = dx[g] * (sum of the group's 32 codes), and the codes again in "quad" order
+ * (qp, below). One item's buffer is
+ *   q: K int8 | dx: K/32 fp32 | xs: K/32 fp32 | s16: K/16 fp32 | qp: K int8   (act_bytes(K) = 2.5 K).
+ * Quad order, per 128 inputs (four groups g0..g3): the first 16 codes of g0, g1, g2, g3, then their
+ * last 16. A 64-byte load of it holds 16 codes of each of four groups, one group per 128-bit lane, so
+ * the VNNI rows of Q4_K, Q5_K and IQ4_XS accumulate two such loads in one int32 register and scale
+ * it once (their weights are shuffled the same way, once per block for a whole tile of items).
  *
  * A row's result is then exactly sum over groups of (weight scale * dx) * (integer codes . q), minus
  * the formats' offsets, in fp32:
@@ -37,16 +42,18 @@
 #define LAYOUT_Q4 100 /* quant_gemv.c's layouts, next to kquant.c's block kinds */
 #define LAYOUT_Q8 101
 
-static inline long act_bytes(long K) { return K + K / 8 + K / 8 + K / 4; }
+static inline long act_bytes(long K) { return K + K / 8 + K / 8 + K / 4 + K; }
 
 typedef struct {
     const int8_t *q;
     const float *dx, *xs, *s16;
+    const int8_t *qp;
 } Act;
 
 static inline Act act_at(const uint8_t *buf, long K, int b) {
     const uint8_t *p = buf + (long)b * act_bytes(K);
-    return (Act){(const int8_t *)p, (const float *)(p + K), (const float *)(p + K + K / 8), (const float *)(p + K + K / 4)};
+    return (Act){(const int8_t *)p, (const float *)(p + K), (const float *)(p + K + K / 8), (const float *)(p + K + K / 4),
+                 (const int8_t *)(p + K + K / 2)};
 }
 
 long quill_act8_bytes(int B, int K) { return (long)B * act_bytes(K); }
@@ -69,6 +76,7 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
         uint8_t *p = buf + (long)b * act_bytes(K);
         int8_t *q = (int8_t *)p;
         float *dx = (float *)(p + K), *xs = (float *)(p + K + K / 8), *s16 = (float *)(p + K + K / 4);
+        int8_t *qp = (int8_t *)(p + K + K / 2);
         for (int g = 0; g < K / 32; g++) {
             const float *xg = x + (long)b * K + 32L * g;
             __m256 v[4];
@@ -85,6 +93,11 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
             const __m256i bytes = _mm256_permutevar8x32_epi32(
                 _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), order);
             _mm256_storeu_si256((__m256i *)(q + 32L * g), bytes);
+            if (K % 128 == 0) { /* quad order: g's first 16 codes, then (64 bytes on) its last 16 */
+                int8_t *at = qp + 128L * (g / 4) + 16 * (g % 4);
+                _mm_storeu_si128((__m128i *)at, _mm256_castsi256_si128(bytes));
+                _mm_storeu_si128((__m128i *)(at + 64), _mm256_extracti128_si256(bytes, 1));
+            }
             const float lo = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[0], i[1])));
             const float hi = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[2], i[3])));
             s16[2 * g] = lo;
@@ -145,14 +158,19 @@ static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1
  * per-group scales (8 floats) or per-16 scales (Q6_K: 16 floats), and the offset's weight factors. */
 typedef struct {
     __m512i w[4];
-    __m256 sc, off; /* Q4_K/Q5_K: d sc, dmin m; IQ4_XS: scale, scale (offset 128) */
+    __m256 sc;      /* Q4_K/Q5_K: d sc; IQ4_XS: d (ls - 32) */
     __m512 sc16;    /* Q6_K: d sc per 16 weights */
+    __m512i isc[4]; /* Q6_K: w[j]'s per-16 int8 scales, one per 128-bit lane (quad order) */
+    __m512 noff;    /* the offset's factor, signed and scaled: Q4_K/Q5_K -dmin m (lanes 0-7; 8-15 zero),
+                       IQ4_XS -128 scale (the same lanes), Q6_K -32 d sc (all 16) */
 } Block;
 
 VNNI static inline ALWAYS void decode_block(const int kind, const uint8_t *blk, Block *k) {
     const __m256i m4 = _mm256_set1_epi8(15);
     if (kind == 0 || kind == 5) {
-        kmins_scales(blk, &k->sc, &k->off);
+        __m256 mn;
+        kmins_scales(blk, &k->sc, &mn);
+        k->noff = _mm512_zextps256_ps512(_mm256_sub_ps(_mm256_setzero_ps(), mn));
         const uint8_t *qs = blk + (kind == 5 ? 48 : 16);
         const __m256i qh = kind == 5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
@@ -177,56 +195,81 @@ VNNI static inline ALWAYS void decode_block(const int kind, const uint8_t *blk, 
             k->w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), n4),
                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), m2), 4));
         }
+        k->noff = _mm512_mul_ps(k->sc16, _mm512_set1_ps(-32.0f));
+        k->sc = _mm256_set1_ps(f16(blk + 208));
+        /* in quad order w[j]'s lane m holds 16-chunk 2m + j (j < 2) or 8 + 2m + j - 2 of the block */
+        const __m512i ints = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        for (int j = 0; j < 4; j++) {
+            const int c = j < 2 ? j : 6 + j;
+            k->isc[j] = _mm512_permutexvar_epi32(_mm512_setr_epi32(c, c, c, c, c + 2, c + 2, c + 2, c + 2, c + 4, c + 4,
+                                                                   c + 4, c + 4, c + 6, c + 6, c + 6, c + 6), ints);
+        }
     } else { /* IQ4_XS: d fp16, 2 bytes of high scale bits, 4 bytes of low scale nibbles, 128 bytes of indices */
         const float d = f16(blk);
         const int high = blk[2] | (blk[3] << 8);
         float s[8];
         for (int ib = 0; ib < 8; ib++)
             s[ib] = d * (float)((((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32);
-        k->sc = k->off = _mm256_loadu_ps(s);
+        k->sc = _mm256_loadu_ps(s);
+        k->noff = _mm512_zextps256_ps512(_mm256_mul_ps(k->sc, _mm256_set1_ps(-128.0f)));
         __m128i t = _mm_loadu_si128((const __m128i *)IQ4_TABLE);
         const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(t, _mm_set1_epi8((char)128)));
         for (int j = 0; j < 4; j++)
             k->w[j] = _mm512_shuffle_epi8(table, nibble_pairs(_mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * j))));
     }
+    for /* element order (two groups per vector) -> quad order, as the activations' qp */ (int j = 0; j < 4; j += 2) {
+            const __m512i a = k->w[j], c = k->w[j + 1];
+            k->w[j] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+            k->w[j + 1] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+        }
 }
 
-/* One item's contribution of one super-block (index b of the row) to its accumulators. */
-VNNI static inline ALWAYS void block_item(const int kind, const Block *k, Act a, int b, __m512 *acc, __m512 *off) {
+/* One item's contribution of one super-block (index b of the row) to its accumulator: the codes' dots
+ * scaled per group (Q6_K: per 16), then the format's offset, both into the same 16 lanes. */
+VNNI static inline ALWAYS void block_item(const int kind, const Block *k, Act a, int b, __m512 *acc) {
     const int8_t *x = a.q + 256L * b;
-    if (kind == 1) {
+    if (kind == 1) { /* per-16 int scales applied to the int32 dots, then d dx per group as for the others */
         const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        const __m512 p = _mm512_mul_ps(k->sc16, _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(a.dx + 8L * b))));
-        for (int j = 0; j < 4; j++) { /* lanes 4i..4i+3 of stretch j: chunk 4j + i */
-            const __m512i idx = _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
-                                                  4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3);
-            *acc = _mm512_fmadd_ps(dot64(_mm512_setzero_si512(), k->w[j], x + 64 * j), _mm512_permutexvar_ps(idx, p), *acc);
-        }
-        *off = _mm512_fmadd_ps(p, _mm512_loadu_ps(a.s16 + 16L * b), *off);
+        const __m256 dx8 = _mm256_loadu_ps(a.dx + 8L * b);
+        const __m512 dx = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(dx8));
+        const int8_t *xq = a.qp + 256L * b;
+        __m512i d[4];
+        for (int j = 0; j < 4; j++)
+            d[j] = _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k->w[j], _mm512_loadu_si512((const void *)(xq + 64 * j))), k->isc[j]);
+        const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(k->sc, dx8));
+        const __m512i quad0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        const __m512i quad1 = _mm512_add_epi32(quad0, _mm512_set1_epi32(4));
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[0], d[1])), _mm512_permutexvar_ps(quad0, p), *acc);
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[2], d[3])), _mm512_permutexvar_ps(quad1, p), *acc);
+        *acc = _mm512_fmadd_ps(_mm512_mul_ps(k->noff, dx), _mm512_loadu_ps(a.s16 + 16L * b), *acc);
         return;
     }
+    /* k->w in quad order (decode_block): w[0], w[1] hold groups 0-3 one per 128-bit lane, w[2], w[3]
+     * groups 4-7; two integer accumulators, each scaled once */
+    const int8_t *xq = a.qp + 256L * b;
     const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(k->sc, _mm256_loadu_ps(a.dx + 8L * b)));
-    for (int j = 0; j < 4; j++)
-        *acc = _mm512_fmadd_ps(dot64(_mm512_setzero_si512(), k->w[j], x + 64 * j), _mm512_permutexvar_ps(pair_index(j), p), *acc);
-    *off = _mm512_castps256_ps512(_mm256_fmadd_ps(k->off, _mm256_loadu_ps(a.xs + 8L * b), _mm512_castps512_ps256(*off)));
+    const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k->w[0], _mm512_loadu_si512((const void *)xq)),
+                                           k->w[1], _mm512_loadu_si512((const void *)(xq + 64)));
+    const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k->w[2], _mm512_loadu_si512((const void *)(xq + 128))),
+                                           k->w[3], _mm512_loadu_si512((const void *)(xq + 192)));
+    const __m512i quad0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i quad1 = _mm512_add_epi32(quad0, _mm512_set1_epi32(4));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_permutexvar_ps(quad0, p), *acc);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_permutexvar_ps(quad1, p), *acc);
+    *acc = _mm512_fmadd_ps(k->noff, _mm512_maskz_loadu_ps(0xff, a.xs + 8L * b), *acc);
 }
-
-/* The offset's weight per kind: out = sum(acc) - OFFSET * sum(off). */
-#define OFFSET(kind) ((kind) == 1 ? 32.0f : (kind) == 4 ? 128.0f : 1.0f)
 
 VNNI static inline ALWAYS void kq_row_n(const int kind, const uint8_t *row, int nblk, const uint8_t *act, long K,
                                         float *out, int ld, int n, int b0, const int nb) {
     const int bytes = kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
-    __m512 acc[T8], off[T8];
-    for (int t = 0; t < nb; t++) acc[t] = off[t] = _mm512_setzero_ps();
+    __m512 acc[T8];
+    for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < nblk; b++) {
         Block k;
         decode_block(kind, row + (long)b * bytes, &k);
-        for (int t = 0; t < nb; t++) block_item(kind, &k, act_at(act, K, b0 + t), b, &acc[t], &off[t]);
+        for (int t = 0; t < nb; t++) block_item(kind, &k, act_at(act, K, b0 + t), b, &acc[t]);
     }
-    for (int t = 0; t < nb; t++) /* only Q6_K's offsets fill all 16 lanes */
-        out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]) -
-                                       OFFSET(kind) * (kind == 1 ? _mm512_reduce_add_ps(off[t]) : hsum8(_mm512_castps512_ps256(off[t])));
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]);
 }
 
 #define NB_SWITCH(F, ...)                                                                           \
@@ -259,12 +302,13 @@ VNNI static inline ALWAYS void pk_row_n(const int q8, const uint8_t *codes, cons
     const int per = q8 ? 32 : 16;
     const uint8_t *row = codes + (long)n * G * per;
     const float *sr = scale + (long)n * G, *mr = mins ? mins + (long)n * G : NULL;
-    __m512 acc[T8], off[T8];
-    for (int t = 0; t < nb; t++) acc[t] = off[t] = _mm512_setzero_ps();
+    __m512 acc[T8];
+    for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
     for (int g0 = 0; g0 < G; g0 += 8) {
         const int ng = G - g0 < 8 ? G - g0 : 8, pairs = (ng + 1) / 2;
         const __mmask8 gm = (__mmask8)((1u << ng) - 1);
-        const __m256 sc = _mm256_maskz_loadu_ps(gm, sr + g0), mn = mr ? _mm256_maskz_loadu_ps(gm, mr + g0) : _mm256_setzero_ps();
+        const __m256 sc = _mm256_maskz_loadu_ps(gm, sr + g0);
+        const __m512 mn = mr ? _mm512_maskz_loadu_ps(gm, mr + g0) : _mm512_setzero_ps(); /* lanes 8-15 zero */
         __m512i w[4], seed[4];
         for (int j = 0; j < pairs; j++) {
             const int two = g0 + 2 * j + 1 < G; /* both groups of the pair exist */
@@ -291,13 +335,10 @@ VNNI static inline ALWAYS void pk_row_n(const int q8, const uint8_t *codes, cons
                                      : _mm512_dpbusd_epi32(seed[j], w[j], x); /* q8: (x + 128) . w - 128 sum(w) */
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pair_index(j), p), acc[t]);
             }
-            if (mr) off[t] = _mm512_castps256_ps512(_mm256_fmadd_ps(mn, _mm256_maskz_loadu_ps(gm, a.xs + g0), _mm512_castps512_ps256(off[t])));
+            if (mr) acc[t] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(gm, a.xs + g0), acc[t]);
         }
     }
-    for (int t = 0; t < nb; t++) {
-        const float o = mr ? hsum8(_mm512_castps512_ps256(off[t])) : 0.0f;
-        out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]) + o;
-    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]);
 }
 
 VNNI static void pk_row(int q8, const uint8_t *codes, const float *scale, const float *mins, int G, const uint8_t *act,
