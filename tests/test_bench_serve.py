@@ -313,6 +313,17 @@ def test_multi_token_chunk_counts_once_and_usage_sets_tokens():
     assert single.tpot is None and Slo(tpot_ms=1).met(single)
 
 
+def test_reasoning_chunks_are_output_too():
+    """A thinking model streams delta.reasoning_content first: TTFT is its first token, and a request whose
+    reasoning filled max_tokens is not an error."""
+    result = RequestResult(index=0, arrival=0.0, send=10.0)
+    handle_event(result, json.dumps({"choices": [{"delta": {"reasoning_content": "hm"}}]}), 10.1)
+    handle_event(result, json.dumps({"choices": [{"delta": {"reasoning_content": "ok"}}]}), 10.2)
+    handle_event(result, json.dumps({"choices": [{"delta": {"content": "4"}}]}), 10.3)
+    assert handle_event(result, "[DONE]", 10.31)
+    assert result.ttft == pytest.approx(0.1) and result.chunk_times == [10.1, 10.2, 10.3]
+
+
 def test_stats_percentiles_and_ratios():
     results = [RequestResult(i, 0.0, send=0.0, chunk_times=[0.01 * (i + 1), 0.01 * (i + 1) + 0.002],
                              output_tokens=2) for i in range(100)]

@@ -74,13 +74,16 @@ def test_activation_rounding_is_the_stated_one(B):
         assert np.array_equal(item[K + K // 2:].view(np.int8), quad)
 
 
+# every type at K = 768 (quad-order stretches throughout); the q4 / q8 layouts, which allow any K % 32 == 0,
+# also at K = 576: no quad-order activations (576 % 128 != 0) and two groups left after the 8-group stretches
+SHAPES = [(name, 768) for name in INT8_TYPES] + [(name, 576) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_1")]
+
+
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("name", INT8_TYPES)
+@pytest.mark.parametrize("name,K", SHAPES)
 @pytest.mark.parametrize("B", [1, 3, 16])
-def test_gemv_matches_fp64_on_rounded_activations(name, B, isa):
-    # K = 576 leaves a tail of two groups after eight-group stretches (the q4 / q8 layouts allow it)
-    K = 576 if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_1") else 768
+def test_gemv_matches_fp64_on_rounded_activations(name, K, B, isa):
     lin = linear(name, 40, K)
     assert int8_kind(lin.weight, LIB) is not None
     x = activations(B, K)

@@ -18,7 +18,7 @@ class RequestResult:
     index: int
     arrival: float  # when the workload wanted it sent (Poisson arrivals) or when a slot freed up
     send: float = 0.0  # when the POST actually went out; latencies are measured from here
-    chunk_times: list[float] = field(default_factory=list)  # each chunk carrying content
+    chunk_times: list[float] = field(default_factory=list)  # each chunk carrying content or reasoning
     end: float = 0.0  # stream closed
     output_tokens: int = 0  # usage.completion_tokens when the server sends it, else content chunks
     prompt_tokens: int | None = None
@@ -113,7 +113,9 @@ def handle_event(result: RequestResult, payload: str, received: float) -> bool:
         result.error = "server error: " + str(error.get("message", error) if isinstance(error, dict) else error)
         return True
     # A chunk carrying several tokens is still one arrival: the client saw them at the same instant.
-    if any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or []):
+    # A reasoning model's thinking (delta.reasoning_content) is output too: TTFT is its first token.
+    if any((choice.get("delta") or {}).get("content") or (choice.get("delta") or {}).get("reasoning_content")
+           for choice in event.get("choices") or []):
         result.chunk_times.append(received)
     usage = event.get("usage")
     if usage:

@@ -50,6 +50,12 @@ class QuillRunner:
     def gemv_read_rate(self, repeats: int) -> dict | None:
         """The decode GEMV kernel alone at batch 1 over every quantized weight (each layer's projections, then
         the LM head), in model order as a step reads them: bytes read, ms, GB/s. None without packed weights."""
+        from quill.kernels.options import use
+
+        with use(self.engine.kernel_options):  # this engine's ISA, threads and activations, as its steps
+            return self._gemv_read_rate(repeats)
+
+    def _gemv_read_rate(self, repeats: int) -> dict | None:
         import torch
 
         from quill.kernels.packed import PackedLinear

@@ -48,6 +48,10 @@ class BlockWeight(GroupWeight):
     def groups(self) -> int:  # 32-weight groups per row (what the fused layer's scratch is sized by)
         return self.cols // 32
 
+    def scratch_bytes(self, batch: int) -> int:
+        """Scratch a GEMV of `batch` rows needs: sums of x per 16 weights (Q2_K's mins; the others use half)."""
+        return 4 * batch * (self.cols // 16)
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.blocks]
 
@@ -73,7 +77,7 @@ class BlockWeight(GroupWeight):
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, ld: int | None = None):
         """The GEMV call for x (B, cols) -> out's first `rows` columns (row stride ld, default rows);
-        scratch holds at least B * cols / 32 floats (the group sums of x)."""
+        scratch holds at least scratch_bytes(B) (the sums of x the mins need)."""
         opts = options.current()
         return (native.load().quill_gemv_kq,
                 (self.kind, self.blocks.data_ptr(), x.data_ptr(), scratch.data_ptr(), out.data_ptr(), self.rows,

@@ -27,9 +27,7 @@
 #include <immintrin.h>
 
 #include "simd.h"
-#include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define QK 256
@@ -546,23 +544,16 @@ long quill_kq_row_bytes(int kind, int K) {
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
  * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS, 5 = Q5_K, 6 = F16, 7 = BF16, 8 = Q2_K, 9 = Q3_K);
  * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
- * xs: scratch of B * K / 32 floats (Q2_K allocates its B * K / 16 chunk sums here).
+ * xs: scratch of B * K / 16 floats (the sums of x the mins need: per 32 weights, Q2_K per 16).
  * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: this call's OpenMP team. */
 void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                    int isa, int threads) {
     const long row_bytes = quill_kq_row_bytes(kind, K);
     if (!row_bytes) return;
     const int wide = quill_isa_used(isa) == 512, nblk = K / QK, tile = wide ? TILE512 : TILE;
-    float *sums16 = NULL;
-    if (kind == 8) { /* Q2_K: a min per 16 weights, so sums of 16 */
-        if (!(sums16 = malloc(sizeof(float) * (size_t)B * (K / 16)))) {
-            for (int b = 0; b < B; b++)
-                for (int n = 0; n < N; n++) out[(long)b * ld + n] = NAN; /* no memory: no silent result */
-            return;
-        }
-        kq_group_sums(x, sums16, B, K, 16);
-        xs = sums16;
-    } else if (HAS_MIN(kind))
+    if (kind == 8) /* Q2_K: a min per 16 weights, so sums of 16 */
+        kq_group_sums(x, xs, B, K, 16);
+    else if (HAS_MIN(kind))
         kq_group_sums(x, xs, B, K, 32);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++) {
@@ -576,7 +567,6 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
             else row_256(kind, row, nblk, x, xs, K, out, ld, n, b0, nb);
         }
     }
-    free(sums16);
 }
 
 /* Rows [0, N) of `kind`'s blocks -> out (N, K) fp32: prefill tiles and embedding rows. */

@@ -116,11 +116,6 @@ VNNI static inline __m512i pair_index(int j) {
                              2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
 }
 
-/* Integer dot of 64 unsigned weight codes with 64 int8 activations, four per lane, as fp32 lanes. */
-VNNI static inline __m512 dot64(__m512i seed, __m512i w, const int8_t *x) {
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(seed, w, _mm512_loadu_si512((const void *)x)));
-}
-
 /* Q4_K / Q5_K's eight 6-bit scales and mins of a block, times d and dmin (the bit layout is the one
  * kquant.c's block_scales reads). */
 static inline void kmins_scales(const uint8_t *blk, __m256 *sc, __m256 *mn) {
@@ -227,7 +222,6 @@ VNNI static inline ALWAYS void decode_block(const int kind, const uint8_t *blk, 
 /* One item's contribution of one super-block (index b of the row) to its accumulator: the codes' dots
  * scaled per group (Q6_K: per 16), then the format's offset, both into the same 16 lanes. */
 VNNI static inline ALWAYS void block_item(const int kind, const Block *k, Act a, int b, __m512 *acc) {
-    const int8_t *x = a.q + 256L * b;
     if (kind == 1) { /* per-16 int scales applied to the int32 dots, then d dx per group as for the others */
         const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
         const __m256 dx8 = _mm256_loadu_ps(a.dx + 8L * b);
@@ -294,6 +288,43 @@ VNNI static void kq_row(int kind, const uint8_t *row, int nblk, const uint8_t *a
 
 /* ---- quant_gemv.c's layouts: 32-weight groups with an fp32 scale and min per (row, group) ---- */
 
+/* Eight whole groups (256 weights) of a q4 / q8 row in quad order (see block_item): the codes shuffled
+ * once for the tile; q8's seeds (-128 * the lane's weight sums) shuffled with them. */
+VNNI static inline ALWAYS void quad_stretch(const int q8, const uint8_t *src, __m256 sc, __m512 mn, int has_mins,
+                                            const uint8_t *act, long K, int g0, int b0, const int nb, __m512 *acc) {
+    __m512i w[4];
+    for (int j = 0; j < 4; j++)
+        w[j] = q8 ? _mm512_loadu_si512((const void *)(src + 64 * j)) : nibble_pairs(_mm256_loadu_si256((const __m256i *)(src + 32 * j)));
+    for (int j = 0; j < 4; j += 2) {
+        const __m512i a = w[j], c = w[j + 1];
+        w[j] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+        w[j + 1] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    __m512i seed[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    if (q8)
+        for (int h = 0; h < 2; h++) {
+            const __m512i ones = _mm512_set1_epi8(1);
+            const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[2 * h]), ones, w[2 * h + 1]);
+            seed[h] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+        }
+    const __m512i quad0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i quad1 = _mm512_add_epi32(quad0, _mm512_set1_epi32(4)), flip = _mm512_set1_epi8((char)0x80);
+    for (int t = 0; t < nb; t++) {
+        const Act a = act_at(act, K, b0 + t);
+        const int8_t *xq = a.qp + 32L * g0;
+        __m512i d[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512i x0 = _mm512_loadu_si512((const void *)(xq + 128 * h)), x1 = _mm512_loadu_si512((const void *)(xq + 128 * h + 64));
+            d[h] = q8 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed[h], _mm512_xor_si512(x0, flip), w[2 * h]), _mm512_xor_si512(x1, flip), w[2 * h + 1])
+                      : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed[h], w[2 * h], x0), w[2 * h + 1], x1);
+        }
+        const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(a.dx + g0)));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[0]), _mm512_permutexvar_ps(quad0, p), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[1]), _mm512_permutexvar_ps(quad1, p), acc[t]);
+        if (has_mins) acc[t] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(0xff, a.xs + g0), acc[t]);
+    }
+}
+
 /* Row n of a q4 (16 bytes per group) or q8 (32 signed bytes per group) layout, eight groups at a time
  * (the last stretch masked where G is not a multiple of 8). */
 VNNI static inline ALWAYS void pk_row_n(const int q8, const uint8_t *codes, const float *scale, const float *mins,
@@ -310,6 +341,10 @@ VNNI static inline ALWAYS void pk_row_n(const int q8, const uint8_t *codes, cons
         const __m256 sc = _mm256_maskz_loadu_ps(gm, sr + g0);
         const __m512 mn = mr ? _mm512_maskz_loadu_ps(gm, mr + g0) : _mm512_setzero_ps(); /* lanes 8-15 zero */
         __m512i w[4], seed[4];
+        if (ng == 8 && K % 128 == 0) { /* a whole 256-weight stretch: quad order, as the block kinds */
+            quad_stretch(q8, row + (long)g0 * per, sc, mn, mr != NULL, act, K, g0, b0, nb, acc);
+            continue;
+        }
         for (int j = 0; j < pairs; j++) {
             const int two = g0 + 2 * j + 1 < G; /* both groups of the pair exist */
             const uint8_t *src = row + (long)(g0 + 2 * j) * per;
