@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -160,3 +161,17 @@ class ServeProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving(log_dir: Path, *flags: str, client_timeout: float = 300.0, **kwargs):
+    """A ready ServeProcess with `.client`, the official openai client on it; stopped on exit."""
+    import openai
+
+    proc = ServeProcess(log_dir, *flags, **kwargs)
+    try:
+        proc.wait_ready()
+        proc.client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=client_timeout)
+        yield proc
+    finally:
+        proc.stop()

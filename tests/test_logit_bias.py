@@ -12,7 +12,7 @@ from fake_engine import FakeEngine
 from quill.engine.sampler import Sampler, SamplingRow
 from quill.sampling_params import LOGIT_BIAS_MAX_ENTRIES, ParamError, SamplingParams
 from quill.server.app import create_app
-from server_utils import ServeProcess, ThreadServer
+from server_utils import ThreadServer, serving
 
 V = 8
 EOS = 7
@@ -267,14 +267,9 @@ def test_llm_logit_bias_forces_bans_and_stays_in_its_row(make_llm):
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    proc = ServeProcess(tmp_path_factory.mktemp("serve"), "--max-model-len", "512", "--kv-cache-memory", "32MiB",
-                        "--max-num-seqs", "4")
-    try:
-        proc.wait_ready()
-        proc.client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    with serving(tmp_path_factory.mktemp("serve"), "--max-model-len", "512", "--kv-cache-memory", "32MiB",
+                 "--max-num-seqs", "4") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def token_id(server, text: str) -> int:

@@ -16,7 +16,7 @@ import pytest
 from fake_engine import FakeEngine, FakeTokenizer
 from quill.chat_template import render_chat_template
 from quill.server.app import create_app
-from server_utils import ServeProcess, ThreadServer
+from server_utils import ThreadServer, serving
 
 MODEL = "fake-model"
 
@@ -248,14 +248,10 @@ def qwen3_folder(tmp_path_factory):
 def qwen3(tmp_path_factory, qwen3_folder):
     """`quill serve --reasoning-format none` (the template alone would say deepseek): a request
     that names reasoning_format "deepseek" is split, one that names none is not."""
-    proc = ServeProcess(tmp_path_factory.mktemp("serve"), "--model", str(qwen3_folder), "--kv-cache-memory", "16MiB",
-                        "--max-model-len", "512", "--reasoning-format", "none", model_name="tiny-qwen3")
-    try:
-        proc.wait_ready()
-        proc.client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    with serving(tmp_path_factory.mktemp("serve"), "--model", str(qwen3_folder), "--kv-cache-memory", "16MiB",
+                 "--max-model-len", "512", "--reasoning-format", "none", model_name="tiny-qwen3",
+                 client_timeout=120) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 SPLIT = {"reasoning_format": "deepseek"}

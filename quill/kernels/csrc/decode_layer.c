@@ -196,9 +196,9 @@ static void rope(float *v, const float *cos, const float *sin, int rd) { /* rota
 }
 
 #define MAX_GROUP 16
-#define SPLIT 64          /* context positions per attention task */
+#define ATTN_SPLIT 64     /* context positions per attention task */
 
-int quill_attention_split(void) { return SPLIT; } /* sizes the partials buffer in fused_decode.py */
+int quill_attention_split(void) { return ATTN_SPLIT; } /* sizes the partials buffer in fused_decode.py */
 
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -274,7 +274,7 @@ static inline long window_start(const LayerWeights *L, long len) {
     return L->window > 0 && len > L->window ? len - L->window : 0;
 }
 
-/* One task per (row, KV head, SPLIT positions of its context): the q heads that share the KV
+/* One task per (row, KV head, ATTN_SPLIT positions of its context): the q heads that share the KV
  * head read each K and V vector once (grouped-query attention), and long contexts spread over
  * all threads. Each task keeps its max, exp-sum and unnormalized output; a second pass merges
  * the splits in order. The splits depend only on the row's own length, so a row's result is the
@@ -282,7 +282,7 @@ static inline long window_start(const LayerWeights *L, long len) {
 static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs *s) {
     const int hd = m->head_dim, nh = m->heads, nkv = m->kv_heads, group = nh / nkv;
     const int qkv_n = (nh + 2 * nkv) * hd, B = s->batch;
-    const int nsplit = (s->max_ctx + SPLIT - 1) / SPLIT;
+    const int nsplit = (s->max_ctx + ATTN_SPLIT - 1) / ATTN_SPLIT;
     const long part = (long)group * (hd + 2); /* per task: max[group], sum[group], acc[group][hd] */
     const int wide = hd % 16 == 0 && quill_isa_used(m->isa) == 512;
 #pragma omp parallel num_threads(team(m))
@@ -292,9 +292,9 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
             for (int kvh = 0; kvh < nkv; kvh++)
                 for (int c = 0; c < nsplit; c++) {
                     const long len = s->ctx_lens[b], first = window_start(L, len);
-                    const long l0 = first + (long)c * SPLIT, l1 = l0 + SPLIT < len ? l0 + SPLIT : len;
+                    const long l0 = first + (long)c * ATTN_SPLIT, l1 = l0 + ATTN_SPLIT < len ? l0 + ATTN_SPLIT : len;
                     if (l0 >= len) continue;
-                    long rows[SPLIT];
+                    long rows[ATTN_SPLIT];
                     split_rows(s->block_tables + (long)b * s->max_blocks, s->block_size, l0, l1, hd, rows);
                     const float *q0 = s->qkv + (long)b * qkv_n + (long)kvh * group * hd;
                     float *sc0 = s->scores + ((long)b * nh + (long)kvh * group) * s->max_ctx;
@@ -309,7 +309,7 @@ static void attention(const ModelShape *m, const LayerWeights *L, const StepArgs
         for (int b = 0; b < B; b++)
             for (int kvh = 0; kvh < nkv; kvh++) {
                 const long len = s->ctx_lens[b], first = window_start(L, len);
-                const int used = (int)((len - first + SPLIT - 1) / SPLIT);
+                const int used = (int)((len - first + ATTN_SPLIT - 1) / ATTN_SPLIT);
                 const float *p0 = s->partials + ((long)b * nkv + kvh) * nsplit * part;
                 float *out0 = s->attn + (long)b * nh * hd + (long)kvh * group * hd;
                 for (int g = 0; g < group; g++) {

@@ -344,20 +344,6 @@ AVX512 static inline __attribute__((always_inline)) void row_q23k_512_n(const in
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
 }
 
-/* F(args..., nb) with nb a constant 1..8 (the always-inline row kernels keep their accumulators in
- * registers only when nb is known at compile time). */
-#define NB_SWITCH(F, ...)                                                                           \
-    switch (nb) {                                                                                   \
-    case 1: F(__VA_ARGS__, 1); break;                                                               \
-    case 2: F(__VA_ARGS__, 2); break;                                                               \
-    case 3: F(__VA_ARGS__, 3); break;                                                               \
-    case 4: F(__VA_ARGS__, 4); break;                                                               \
-    case 5: F(__VA_ARGS__, 5); break;                                                               \
-    case 6: F(__VA_ARGS__, 6); break;                                                               \
-    case 7: F(__VA_ARGS__, 7); break;                                                               \
-    default: F(__VA_ARGS__, 8); break;                                                              \
-    }
-
 AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *x, const float *xs, long K,
                            float *out, int ld, int n, int b0, int nb) {
     if (kind == 0) { NB_SWITCH(row_512_n, 0, row, nblk, x, xs, K, out, ld, n, b0) }

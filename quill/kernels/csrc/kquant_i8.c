@@ -266,18 +266,6 @@ VNNI static inline ALWAYS void kq_row_n(const int kind, const uint8_t *row, int 
     for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]);
 }
 
-#define NB_SWITCH(F, ...)                                                                           \
-    switch (nb) {                                                                                   \
-    case 1: F(__VA_ARGS__, 1); break;                                                               \
-    case 2: F(__VA_ARGS__, 2); break;                                                               \
-    case 3: F(__VA_ARGS__, 3); break;                                                               \
-    case 4: F(__VA_ARGS__, 4); break;                                                               \
-    case 5: F(__VA_ARGS__, 5); break;                                                               \
-    case 6: F(__VA_ARGS__, 6); break;                                                               \
-    case 7: F(__VA_ARGS__, 7); break;                                                               \
-    default: F(__VA_ARGS__, 8); break;                                                              \
-    }
-
 VNNI static void kq_row(int kind, const uint8_t *row, int nblk, const uint8_t *act, long K, float *out, int ld, int n,
                         int b0, int nb) {
     if (kind == 0) { NB_SWITCH(kq_row_n, 0, row, nblk, act, K, out, ld, n, b0) }

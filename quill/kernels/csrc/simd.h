@@ -11,4 +11,18 @@ static inline float hsum8(__m256 v) {
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
 }
+
+/* F(args..., nb) with nb a constant 1..8 (the always-inline row kernels keep their accumulators in
+ * registers only when nb is known at compile time). */
+#define NB_SWITCH(F, ...)                                                                           \
+    switch (nb) {                                                                                   \
+    case 1: F(__VA_ARGS__, 1); break;                                                               \
+    case 2: F(__VA_ARGS__, 2); break;                                                               \
+    case 3: F(__VA_ARGS__, 3); break;                                                               \
+    case 4: F(__VA_ARGS__, 4); break;                                                               \
+    case 5: F(__VA_ARGS__, 5); break;                                                               \
+    case 6: F(__VA_ARGS__, 6); break;                                                               \
+    case 7: F(__VA_ARGS__, 7); break;                                                               \
+    default: F(__VA_ARGS__, 8); break;                                                              \
+    }
 #endif
