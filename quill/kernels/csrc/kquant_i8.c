@@ -372,9 +372,10 @@ VNNI static void pk_row(int q8, const uint8_t *codes, const float *scale, const 
 
 /* ---- AVX2 without VNNI (and AVX-512 hosts asked for isa 256): 32 weights at a time. A group's integer
  * dot is vpmaddubsw (unsigned codes x signed activations, pairs to int16: |sum| <= 2 * 63 * 127 for Q6_K,
- * no saturation) then vpmaddwd by ones (or Q6_K's per-16 scales) to eight int32 lanes. Signed codes
- * (IQ4_XS's table values, the q8 layout) use |w| and x with w's sign, so no offset is needed there. Each
- * (row, item) runs the same instructions in the same order wherever the item sits in the batch. */
+ * no saturation) then vpmaddwd by ones (or Q6_K's per-16 scales) to eight int32 lanes; four groups'
+ * lanes are then added horizontally so each is scaled once. Signed codes (IQ4_XS's table values, the
+ * q8 layout) use |w| and x with w's sign, so no offset is needed there. Each (row, item) runs the same
+ * instructions in the same order wherever the item sits in the batch. */
 
 #define T4 4
 
@@ -389,15 +390,12 @@ static inline __m256i nibbles16(const uint8_t *p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
 }
 
-/* One group of a super-block kind: its codes, and its weight scale (fp32) and offset factor. Q6_K: the
- * group's two per-16 scales go in sc16 (int16 lanes) and `scale` is d. */
+/* One group of a super-block kind: its codes; Q6_K: also its two per-16 scales (int16 lanes, sc16). */
 typedef struct {
     __m256i w, sc16;
-    float scale, off;
 } Group;
 
-static inline __attribute__((always_inline)) void group_of(const int kind, const uint8_t *blk, int g, const float *sc,
-                                                            const float *mn, Group *o) {
+static inline __attribute__((always_inline)) void group_of(const int kind, const uint8_t *blk, int g, Group *o) {
     const __m256i m4 = _mm256_set1_epi8(15);
     if (kind == 0 || kind == 5) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (kind == 5 ? 48 : 16) + 32 * (g >> 1)));
@@ -407,8 +405,6 @@ static inline __attribute__((always_inline)) void group_of(const int kind, const
             q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)), _mm256_set1_epi8(1)), 4));
         }
         o->w = q;
-        o->scale = sc[g];
-        o->off = mn[g];
     } else if (kind == 1) {
         const int h = g >> 2, r = g & 3;
         const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (r & 1)));
@@ -418,11 +414,9 @@ static inline __attribute__((always_inline)) void group_of(const int kind, const
         o->w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
         const int8_t *s8 = (const int8_t *)(blk + 192);
         o->sc16 = _mm256_set_m128i(_mm_set1_epi16(s8[2 * g + 1]), _mm_set1_epi16(s8[2 * g]));
-        o->scale = sc[0];
     } else {
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
         o->w = _mm256_shuffle_epi8(table, nibbles16(blk + 8 + 16 * g));
-        o->scale = sc[g];
     }
 }
 
@@ -443,37 +437,58 @@ static inline void block_floats(int kind, const uint8_t *blk, float *sc, float *
     }
 }
 
+/* Four groups' int32 dots (eight lanes each) -> lanes i and i + 4 hold group i's two halves: the
+ * horizontal adds keep each lane to one group, so one convert and one FMA scale all four. */
+static inline __m256i quad_sums(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+}
+
 static inline __attribute__((always_inline)) void kq_row_avx2_n(const int kind, const uint8_t *row, int nblk,
                                                                  const uint8_t *act, long K, float *out, int ld, int n,
                                                                  int b0, int nb) {
     const int bytes = kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
+    const __m256i lo4 = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi4 = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
     __m256 acc[T4];
-    float off[T4];
-    for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
+    for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps();
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * bytes;
         float sc[8], mn[8];
         block_floats(kind, blk, sc, mn);
-        for (int g = 0; g < 8; g++) {
-            Group k;
-            group_of(kind, blk, g, sc, mn, &k);
-            const long gi = 8L * b + g;
+        const __m256 SC = kind == 1 ? _mm256_set1_ps(sc[0]) : _mm256_loadu_ps(sc);
+        for (int qd = 0; qd < 2; qd++) {
+            Group k[4];
+            for (int i = 0; i < 4; i++) group_of(kind, blk, 4 * qd + i, &k[i]);
             for (int t = 0; t < nb; t++) {
                 const Act a = act_at(act, K, b0 + t);
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 32 * gi));
-                const __m256i d = kind == 1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(k.w, x), k.sc16)
-                                  : kind == 4 ? dot32_s(k.w, x) : dot32_u(k.w, x);
-                const float s = k.scale * a.dx[gi];
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s), acc[t]);
-                if (kind == 1) { /* -32 * sum of the two chunks' scaled code sums */
-                    const int8_t *s8 = (const int8_t *)(blk + 192);
-                    off[t] += s * ((float)s8[2 * g] * a.s16[2 * gi] + (float)s8[2 * g + 1] * a.s16[2 * gi + 1]);
-                } else if (kind != 4)
-                    off[t] += k.off * a.xs[gi];
+                __m256i d[4];
+                for (int i = 0; i < 4; i++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 256L * b + 32 * (4 * qd + i)));
+                    d[i] = kind == 1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(k[i].w, x), k[i].sc16)
+                           : kind == 4 ? dot32_s(k[i].w, x) : dot32_u(k[i].w, x);
+                }
+                const __m256 p = _mm256_mul_ps(SC, _mm256_loadu_ps(a.dx + 8L * b));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad_sums(d[0], d[1], d[2], d[3])),
+                                         _mm256_permutevar8x32_ps(p, qd ? hi4 : lo4), acc[t]);
+            }
+        }
+        for (int t = 0; t < nb; t++) { /* the format's offset, one vector op per block */
+            const Act a = act_at(act, K, b0 + t);
+            if (kind == 0 || kind == 5)
+                acc[t] = _mm256_fnmadd_ps(_mm256_loadu_ps(mn), _mm256_loadu_ps(a.xs + 8L * b), acc[t]);
+            else if (kind == 1) { /* -32 d sc_c dx_(c/2) s16_c over the 16 chunks */
+                const __m256 dx = _mm256_loadu_ps(a.dx + 8L * b);
+                const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+                for (int h = 0; h < 2; h++) {
+                    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(s8, 8) : s8));
+                    const __m256 dxd = _mm256_permutevar8x32_ps(dx, h ? _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)
+                                                                      : _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+                    acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_mul_ps(scf, _mm256_set1_ps(32.0f * sc[0])), dxd),
+                                              _mm256_loadu_ps(a.s16 + 16L * b + 8 * h), acc[t]);
+                }
             }
         }
     }
-    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(acc[t]) - (kind == 1 ? 32.0f : 1.0f) * off[t];
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(acc[t]);
 }
 
 static void kq_row_avx2(int kind, const uint8_t *row, int nblk, const uint8_t *act, long K, float *out, int ld, int n,
@@ -492,7 +507,26 @@ static inline __attribute__((always_inline)) void pk_row_avx2_n(const int q8, co
     __m256 acc[T4];
     float off[T4];
     for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    for (int g = 0; g < G; g++) {
+    int g = 0;
+    for (; g + 4 <= G; g += 4) { /* four groups at a time, scaled once (quad_sums) */
+        __m256i w[4];
+        for (int i = 0; i < 4; i++)
+            w[i] = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * (g + i))) : nibbles16(row + 16L * (g + i));
+        const __m128 s4 = _mm_loadu_ps(sr + g);
+        const __m256 mn4 = mr ? _mm256_zextps128_ps256(_mm_loadu_ps(mr + g)) : _mm256_setzero_ps();
+        for (int t = 0; t < nb; t++) {
+            const Act a = act_at(act, K, b0 + t);
+            __m256i d[4];
+            for (int i = 0; i < 4; i++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 32L * (g + i)));
+                d[i] = q8 ? dot32_s(w[i], x) : dot32_u(w[i], x);
+            }
+            const __m128 p = _mm_mul_ps(s4, _mm_loadu_ps(a.dx + g));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad_sums(d[0], d[1], d[2], d[3])), _mm256_set_m128(p, p), acc[t]);
+            if (mr) acc[t] = _mm256_fmadd_ps(mn4, _mm256_zextps128_ps256(_mm_loadu_ps(a.xs + g)), acc[t]);
+        }
+    }
+    for (; g < G; g++) { /* the last G % 4 groups one at a time */
         const __m256i w = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * g)) : nibbles16(row + 16L * g);
         for (int t = 0; t < nb; t++) {
             const Act a = act_at(act, K, b0 + t);
