@@ -26,6 +26,7 @@
  */
 #include <immintrin.h>
 
+#include "kformat.h"
 #include "simd.h"
 #include <stdint.h>
 #include <string.h>
@@ -43,7 +44,6 @@
 
 int quill_isa_used(int isa);
 
-static inline float f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
 /* Q4_K's 6-bit scale and min of group j (0..7) from its 12 packed bytes. */
 static inline void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
@@ -113,9 +113,7 @@ static inline void weights8(int kind, __m256i codes, float s0, float s1, float m
  * Q2_K: sc[c] = d * (byte c & 15), mn[c] = dmin * (byte c >> 4); Q3_K: sc[c] = d * (scale_c - 32).
  * Q3_K's twelve bytes: scale c has its low 4 bits in byte c % 8's nibble c / 8 and, for c = 4k + i, its
  * high 2 bits at bit 2k of byte 8 + i (so word k of u2 >> 2k, masked, holds scales 4k..4k+3).
- * Q4_K's twelve bytes, as three little-endian words u0 u1 u2, hold (bit arithmetic of
- * q4k_scale_min above): scales 0-3 = u0 & 0x3f.., mins 0-3 = u1 & 0x3f..,
- * scales 4-7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, mins 4-7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4. */
+ * Q4_K's twelve bytes: kformat.h's k4_scales_mins (the bit arithmetic of q4k_scale_min above). */
 static inline void block_scales(int kind, const uint8_t *blk, float *sc, float *mn) {
     if (kind == 8) {
         const __m128i b = _mm_loadu_si128((const __m128i *)blk), m4 = _mm_set1_epi8(15);
@@ -140,13 +138,7 @@ static inline void block_scales(int kind, const uint8_t *blk, float *sc, float *
         return;
     }
     if (HAS_MIN(kind)) {
-        uint32_t u[3], v[4];
-        memcpy(u, blk + 4, 12);
-        v[0] = u[0] & 0x3f3f3f3fu;
-        v[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-        v[2] = u[1] & 0x3f3f3f3fu;
-        v[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)v); /* 8 scales, then 8 mins */
+        const __m128i bytes = k4_scales_mins(blk); /* 8 scales, then 8 mins */
         _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
         _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)),
                                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))));

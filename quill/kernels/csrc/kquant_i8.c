@@ -31,6 +31,7 @@
  */
 #include <immintrin.h>
 
+#include "kformat.h"
 #include "simd.h"
 #include <stdint.h>
 #include <string.h>
@@ -108,7 +109,6 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
     }
 }
 
-static inline float f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
 /* Lanes 0-7 take element 2j of an 8-float vector, lanes 8-15 element 2j + 1: one group pair's scales. */
 VNNI static inline __m512i pair_index(int j) {
@@ -116,16 +116,9 @@ VNNI static inline __m512i pair_index(int j) {
                              2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
 }
 
-/* Q4_K / Q5_K's eight 6-bit scales and mins of a block, times d and dmin (the bit layout is the one
- * kquant.c's block_scales reads). */
+/* Q4_K / Q5_K's eight 6-bit scales and mins of a block, times d and dmin. */
 static inline void kmins_scales(const uint8_t *blk, __m256 *sc, __m256 *mn) {
-    uint32_t u[3], v[4];
-    memcpy(u, blk + 4, 12);
-    v[0] = u[0] & 0x3f3f3f3fu;
-    v[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    v[2] = u[1] & 0x3f3f3f3fu;
-    v[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)v);
+    const __m128i bytes = k4_scales_mins(blk);
     *sc = _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
     *mn = _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
 }
