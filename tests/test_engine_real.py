@@ -195,7 +195,9 @@ def test_prompts_file_runs_as_one_batch(tmp_path):
         assert row["prompt_tokens"] > 0 and row["timings"]["ttft_ms"] > 0
     assert rows[0]["output_tokens"] == 5 and rows[0]["finish_reason"] == "length"
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "x", "temperature": -1}\n')
-    proc = subprocess.run([sys.executable, "-m", "quill.cli", "generate", "--kv-cache-memory", "64MiB",
-                           "--prompts-file", str(bad)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "temperature" in proc.stderr
+    for field, line in (("temperature", '{"prompt": "x", "temperature": -1}'),
+                        ("logit_bias", '{"prompt": "x", "logit_bias": {"5": 500}}')):  # the file's params reach SamplingParams
+        bad.write_text(line + "\n")
+        proc = subprocess.run([sys.executable, "-m", "quill.cli", "generate", "--kv-cache-memory", "64MiB",
+                               "--prompts-file", str(bad)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and field in proc.stderr, proc.stderr

@@ -9,7 +9,8 @@ import sys
 from quill.cli_args import add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args
 
 _PARAM_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
-               "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "logprobs"}
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "logprobs",
+               "logit_bias"}
 
 
 def register(subparsers) -> None:
