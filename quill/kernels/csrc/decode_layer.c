@@ -13,6 +13,7 @@
  */
 #include <immintrin.h>
 
+#include "kformat.h"
 #include "simd.h"
 #include <math.h>
 #include <stdint.h>
@@ -137,8 +138,8 @@ static float dot(const float *a, const float *b, int n) { /* n % 8 == 0 */
 /* out (B, ld) columns [0, w->rows) = x (B, K) @ W.T, without the bias. */
 static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B, int ld) {
     int N = w->rows, K = w->groups * 32, nt = team(m);
-    if (m->int8) { /* kquant_i8.c's kinds: its layouts 100 (q4), 101 (q8), or kquant.c's block kinds */
-        const int k8 = w->kind == 0 ? 100 : w->kind == 1 ? 101
+    if (m->int8) { /* kquant_i8.c's kinds: its q4 / q8 layouts, or kquant.c's block kinds */
+        const int k8 = w->kind == 0 ? LAYOUT_Q4 : w->kind == 1 ? LAYOUT_Q8
                      : w->kind >= BLOCKS_FIRST && w->kind <= BLOCKS_LAST ? w->kind - BLOCKS_FIRST : -1;
         if (k8 >= 0 && quill_gemv_i8(k8, w->codes, w->scale, w->mins, x, (uint8_t *)sums, out, N, K, B, ld, m->isa, nt) == 0) return;
     }

@@ -32,11 +32,6 @@
 #include <string.h>
 
 #define QK 256
-#define Q4K_BYTES 144
-#define Q6K_BYTES 210
-#define Q5K_BYTES 176
-#define Q2K_BYTES 84
-#define Q3K_BYTES 110
 #define HAS_MIN(kind) ((kind) == 0 || (kind) == 5 || (kind) == 8) /* Q4_K, Q5_K, Q2_K: w = d sc q - dmin m, q unsigned */
 #define PER16(kind) ((kind) == 1 || (kind) == 8 || (kind) == 9) /* Q6_K, Q2_K, Q3_K: a scale per 16 weights */
 #define SUPER_BYTES(kind) \
@@ -352,16 +347,6 @@ AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *
  * scale * (codes . x) per group in a fixed order. Layouts: ggml-common.h block_q5_0, block_iq4_nl,
  * block_iq4_xs, and the kvalues_iq4nl table. */
 
-#define Q5_0_BYTES 22
-#define IQ4NL_BYTES 18
-#define IQ4XS_BYTES 136
-static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-/* 16 bytes of nibbles -> 32 bytes: byte j's low nibble is element j, its high nibble element j + 16. */
-static inline __m256i nibbles32(const uint8_t *p) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-}
 
 /* Group gi of a row: its 32 signed codes. */
 static inline __m256i g32_codes(int kind, const uint8_t *row, int gi) {

@@ -1,8 +1,9 @@
 /* Opt-in int8 activations (KernelOptions.int8): the GEMV / GEMM reads the same weights as kquant.c
  * and quant_gemv.c, but each 32 activations are first rounded to int8 with their own fp32 scale,
  * so a 64-weight stretch is one integer dot-product instruction (AVX-512 VNNI vpdpbusd) instead of
- * sixteen fp32 FMAs. This is the one place where quill rounds anything beyond the file's own
- * quantization; the exact fp32 kernels stay the default.
+ * sixteen fp32 FMAs (AVX2 rows without VNNI: vpmaddubsw and vpmaddwd, further below). This is the one
+ * place where quill rounds anything beyond the file's own quantization; the exact fp32 kernels stay
+ * the default.
  *
  * Activations (quill_act8_quantize): for each item and each group g of 32 inputs,
  *   dx[g] = max|x| / 127,  q = round-to-nearest-even(x * (1 / dx[g])) in -127..127,
@@ -12,8 +13,10 @@
  *   q: K int8 | dx: K/32 fp32 | xs: K/32 fp32 | s16: K/16 fp32 | qp: K int8   (act_bytes(K) = 2.5 K).
  * Quad order, per 128 inputs (four groups g0..g3): the first 16 codes of g0, g1, g2, g3, then their
  * last 16. A 64-byte load of it holds 16 codes of each of four groups, one group per 128-bit lane, so
- * the VNNI rows of Q4_K, Q5_K and IQ4_XS accumulate two such loads in one int32 register and scale
- * it once (their weights are shuffled the same way, once per block for a whole tile of items).
+ * the VNNI rows accumulate two such loads in one int32 register and scale it once per group (Q6_K
+ * applies its per-16 int scales to the dots first); the weights are shuffled the same way, once per
+ * block for a whole tile of items. The q4 / q8 layouts take this path for whole 256-weight stretches
+ * where K % 128 == 0, and element order (q) otherwise.
  *
  * A row's result is then exactly sum over groups of (weight scale * dx) * (integer codes . q), minus
  * the formats' offsets, in fp32:
@@ -40,8 +43,6 @@
 #define ALWAYS __attribute__((always_inline))
 #define T8 8       /* items sharing one decode of a row's weights */
 #define ROWS 16    /* rows per task: their weights and a tile of activations stay in L1/L2 together */
-#define LAYOUT_Q4 100 /* quant_gemv.c's layouts, next to kquant.c's block kinds */
-#define LAYOUT_Q8 101
 
 static inline long act_bytes(long K) { return K + K / 8 + K / 8 + K / 4 + K; }
 
@@ -136,11 +137,10 @@ VNNI static inline __m512i nibble_pairs(__m256i raw) {
 
 /* ---- 256-weight super-block kinds: 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K ---- */
 
-#define Q4K_BYTES 144
-#define Q5K_BYTES 176
-#define Q6K_BYTES 210
-#define IQ4XS_BYTES 136
-static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* Bytes per super-block of the block kinds with an int8 kernel. */
+static inline int super_bytes(int kind) {
+    return kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
+}
 
 /* One super-block decoded for every item of the tile: w[4] the 256 unsigned codes in element order,
  * per-group scales (8 floats) or per-16 scales (Q6_K: 16 floats), and the offset's weight factors. */
@@ -248,7 +248,7 @@ VNNI static inline ALWAYS void block_item(const int kind, const Block *k, Act a,
 
 VNNI static inline ALWAYS void kq_row_n(const int kind, const uint8_t *row, int nblk, const uint8_t *act, long K,
                                         float *out, int ld, int n, int b0, const int nb) {
-    const int bytes = kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
+    const int bytes = super_bytes(kind);
     __m512 acc[T8];
     for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < nblk; b++) {
@@ -377,12 +377,6 @@ static inline __m256i dot32_s(__m256i w, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
 }
 
-/* 16 nibble bytes -> 32 codes: byte j's low nibble is element j, its high nibble element j + 16. */
-static inline __m256i nibbles16(const uint8_t *p) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-}
-
 /* One group of a super-block kind: its codes; Q6_K: also its two per-16 scales (int16 lanes, sc16). */
 typedef struct {
     __m256i w, sc16;
@@ -409,7 +403,7 @@ static inline __attribute__((always_inline)) void group_of(const int kind, const
         o->sc16 = _mm256_set_m128i(_mm_set1_epi16(s8[2 * g + 1]), _mm_set1_epi16(s8[2 * g]));
     } else {
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
-        o->w = _mm256_shuffle_epi8(table, nibbles16(blk + 8 + 16 * g));
+        o->w = _mm256_shuffle_epi8(table, nibbles32(blk + 8 + 16 * g));
     }
 }
 
@@ -439,7 +433,7 @@ static inline __m256i quad_sums(__m256i d0, __m256i d1, __m256i d2, __m256i d3) 
 static inline __attribute__((always_inline)) void kq_row_avx2_n(const int kind, const uint8_t *row, int nblk,
                                                                  const uint8_t *act, long K, float *out, int ld, int n,
                                                                  int b0, int nb) {
-    const int bytes = kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
+    const int bytes = super_bytes(kind);
     const __m256i lo4 = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi4 = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
     __m256 acc[T4];
     for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps();
@@ -504,7 +498,7 @@ static inline __attribute__((always_inline)) void pk_row_avx2_n(const int q8, co
     for (; g + 4 <= G; g += 4) { /* four groups at a time, scaled once (quad_sums) */
         __m256i w[4];
         for (int i = 0; i < 4; i++)
-            w[i] = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * (g + i))) : nibbles16(row + 16L * (g + i));
+            w[i] = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * (g + i))) : nibbles32(row + 16L * (g + i));
         const __m128 s4 = _mm_loadu_ps(sr + g);
         const __m256 mn4 = mr ? _mm256_zextps128_ps256(_mm_loadu_ps(mr + g)) : _mm256_setzero_ps();
         for (int t = 0; t < nb; t++) {
@@ -520,7 +514,7 @@ static inline __attribute__((always_inline)) void pk_row_avx2_n(const int q8, co
         }
     }
     for (; g < G; g++) { /* the last G % 4 groups one at a time */
-        const __m256i w = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * g)) : nibbles16(row + 16L * g);
+        const __m256i w = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * g)) : nibbles32(row + 16L * g);
         for (int t = 0; t < nb; t++) {
             const Act a = act_at(act, K, b0 + t);
             const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 32L * g));
@@ -564,7 +558,7 @@ int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const floa
                 if (kind >= LAYOUT_Q4)
                     (vnni ? pk_row : pk_row_avx2)(kind == LAYOUT_Q8, codes, scale, mins, K / 32, act, K, out, ld, n, b0, nb);
                 else {
-                    const long row_bytes = (long)(K / 256) * (kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES);
+                    const long row_bytes = (long)(K / 256) * super_bytes(kind);
                     (vnni ? kq_row : kq_row_avx2)(kind, codes + (long)n * row_bytes, K / 256, act, K, out, ld, n, b0, nb);
                 }
             }
