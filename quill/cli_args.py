@@ -82,7 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int8: quantize an fp16/bf16/fp32 model's linear layers (per-32 group, symmetric) at load")
     g.add_argument("--activations", choices=["exact", "int8"], default=None,
                    help="int8: round each 32 activations to int8 with their own scale before the quantized "
-                        "GEMV/GEMM (AVX-512 VNNI; Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_1, Q8_0 weights; "
+                        "GEMV/GEMM (AVX-512 VNNI, else AVX2; Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_1, Q8_0 weights; "
                         "as llama.cpp does), faster, not bit-exact: `quill bench accuracy` reports its top-1 "
                         "agreement; exact: fp32 activations (default exact, or QUILL_INT8_ACTIVATIONS=1)")
 

@@ -260,7 +260,7 @@ class EngineConfig:
     threads: int | None = None
     quantize: str | None = None  # "int8": quantize fp16/bf16/fp32 weights at load (GGUF files are used as they are)
     # "int8": round activations to int8 (per 32, own scale) in the linears that have an int8 kernel
-    # (opt-in, AVX-512 VNNI); "exact": fp32 activations; None: QUILL_INT8_ACTIVATIONS=1 or exact
+    # (opt-in; AVX-512 VNNI, else AVX2); "exact": fp32 activations; None: QUILL_INT8_ACTIVATIONS=1 or exact
     activations: str | None = None
     max_model_len: int | None = None  # None = the model's context length
     cache: CacheConfig = field(default_factory=CacheConfig)

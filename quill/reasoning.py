@@ -9,7 +9,8 @@ choice is llama-server's `--reasoning-format` / request `reasoning_format`: `non
 untouched in `content`, `deepseek` splits it.
 
 Everything here is pure: one streaming parser (a whole text is one feed), used by the server's
-non-streaming and streaming paths and by LLM.chat alike.
+non-streaming and streaming paths alike; Python callers split an LLM.chat output with split_reasoning
+(LLM.chat itself returns the text whole).
 """
 
 from __future__ import annotations

@@ -239,8 +239,9 @@ class Sampler:
                     self._block(x[i], blocked, constrained=row.has_grammar)
                 if has_penalties(row.params):
                     x[i] = apply_penalties(x[i], row.prompt_token_ids, row.output_token_ids, row.params)
-                if row.params.logit_bias:  # checked here so that a bad id fails its row alone; added in step 5
-                    self._check_bias(row.params.logit_bias)
+                # the engine refuses out-of-vocabulary ids at admission; checked again here so that a direct
+                # caller's bad id fails its row alone (the bias is added in step 5)
+                row.params.check_logit_bias(self.vocab_size)
             except Exception as exc:  # noqa: BLE001 - this row's failure, reported for it alone
                 errors[i] = exc
         # A row with a NaN, or with no finite logit left, cannot be drawn from (softmax would be NaN).
@@ -280,11 +281,6 @@ class Sampler:
             x_row[index] = saved
 
     # ---- step 5: logit_bias
-
-    def _check_bias(self, bias: dict[int, float]) -> None:
-        bad = next((t for t in bias if not 0 <= t < self.vocab_size), None)
-        if bad is not None:  # the engine refuses these at admission; this guards direct callers
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     @staticmethod
     def _add_bias(x: torch.Tensor, rows: list[SamplingRow], biased: list[int]) -> None:

@@ -47,7 +47,7 @@ class Hardware:
 
     avx512: bool = False
     amx: bool = False
-    vnni: bool = False  # AVX-512 VNNI: the int8-activation kernels
+    vnni: bool = False  # AVX-512 VNNI: the int8-activation kernels' VNNI rows (else their AVX2 rows)
 
 
 @lru_cache(maxsize=1)

@@ -249,21 +249,23 @@ class PackedLinear(nn.Module):
         self.bind_gemv(x, out)()
 
     def scratch_floats(self, batch: int) -> int:
-        """Floats of scratch a GEMV of `batch` rows needs: the group sums of x (B x cols / 32) for the
-        packed and block kernels, the AMX kernel's digits and scales for a tiled weight, the rounded
-        activations for an int8 kernel."""
-        w = self.weight
-        parts = w.parts if isinstance(w, SplitWeight) else [w]
-        need = max(-(-p.scratch_bytes(batch) // 4) if hasattr(p, "scratch_bytes") else batch * p.groups for p in parts)
+        """Floats of scratch a GEMV of `batch` rows needs: the sums of x the mins need (B x cols / 32 for
+        the packed kernels, a block weight's scratch_bytes), the AMX kernel's digits and scales for a tiled
+        weight, the rounded activations for an int8 kernel."""
+        need = max(-(-p.scratch_bytes(batch) // 4) if hasattr(p, "scratch_bytes") else batch * p.groups
+                   for p in self._parts())
         if self._lib is not None and options.current().int8:
             need = max(need, -(-self._lib.quill_act8_bytes(batch, self.in_features) // 4))
         return need
 
     def _int8_all(self) -> bool:
         """Whether int8 activations are on and every part of the weight has an int8 kernel."""
-        w = self.weight
-        parts = w.parts if isinstance(w, SplitWeight) else [w]
-        return self._lib is not None and options.current().int8 and all(int8_kind(p, self._lib) is not None for p in parts)
+        return self._lib is not None and options.current().int8 and all(int8_kind(p, self._lib) is not None
+                                                                          for p in self._parts())
+
+    def _parts(self) -> list:
+        """The weight's parts (a SplitWeight's), or the weight alone."""
+        return self.weight.parts if isinstance(self.weight, SplitWeight) else [self.weight]
 
     def bind_gemv(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None):
         """The kernel call for x (B, in) -> out (B, out) with its pointers bound: call it to run. It holds
@@ -304,7 +306,7 @@ class PackedLinear(nn.Module):
         return w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], scratch.data_ptr(), opts.threads)
 
 
-INT8_LAYOUTS = {"q4": 100, "q8": 101}  # csrc/kquant_i8.c's LAYOUT_Q4 / LAYOUT_Q8
+INT8_LAYOUTS = {"q4": 100, "q8": 101}  # csrc/kformat.h's LAYOUT_Q4 / LAYOUT_Q8
 
 
 def int8_kind(w, lib) -> int | None:
