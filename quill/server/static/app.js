@@ -1,7 +1,8 @@
 // The playground: chats, settings, streaming answers, gauges and the timeline, wired together.
 
+import { applyChunk, historyForApi, newAnswer, openToolCalls, settleAnswer } from "./answer.js";
 import { ApiError, setApiKey, streamChat } from "./api.js";
-import { fillSettingsForm, requestFields, SettingsError } from "./params.js";
+import { fillSettingsForm, requestFields, SettingsError, showSettingsProblem } from "./params.js";
 import { loadChats, loadSettings, newChat, saveChats, saveSettings, titleFrom } from "./store.js";
 import { renderTimeline } from "./timeline.js";
 import { watchServer } from "./server.js";
@@ -11,9 +12,10 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   messages: $("messages"), timeline: $("timeline"), prompt: $("prompt"), send: $("send"), stop: $("stop"),
   system: $("system-prompt"), chatList: $("chat-list"), settings: $("settings"), settingsError: $("settings-error"),
-  gauges: $("server-gauges"), model: $("model-name"), scrim: $("scrim"),
+  gauges: $("server-gauges"), model: $("model-name"), scrim: $("scrim"), composerError: $("composer-error"),
 };
-const state = { chats: [], chat: null, settings: loadSettings(), model: null, live: null, frame: 0 };
+// expanded: per message object, the keys of its blocks the user opened (reasoning, tool calls).
+const state = { chats: [], chat: null, settings: loadSettings(), model: null, live: null, frame: 0, expanded: new WeakMap() };
 
 // ---- persistence and chat list ----
 
@@ -69,9 +71,18 @@ function lastAnswer() {
   return null;
 }
 
-function nodeFor(msg, i) {
-  const last = i === state.chat.messages.length - 1 && msg.role !== "user";
-  return messageNode(msg, { colourTokens: state.settings.colour_tokens, last, onRegenerate: regenerate });
+function expandedFor(msg) {
+  if (!state.expanded.has(msg)) state.expanded.set(msg, new Set());
+  return state.expanded.get(msg);
+}
+
+// `waiting`: ids of the last turn's tool calls that have no result yet.
+function nodeFor(msg, i, waiting = new Set()) {
+  const last = i === state.chat.messages.length - 1 && (msg.role === "assistant" || msg.role === "error");
+  return messageNode(msg, {
+    colourTokens: state.settings.colour_tokens, last, onRegenerate: regenerate, expanded: expandedFor(msg),
+    reply: waiting.size && !state.live ? { waiting, onReply: answerToolCall } : null,
+  });
 }
 
 function nearBottom() {
@@ -80,7 +91,8 @@ function nearBottom() {
 }
 
 function renderMessages() {
-  ui.messages.replaceChildren(...state.chat.messages.map(nodeFor));
+  const waiting = new Set(openToolCalls(state.chat).map((call) => call.id));
+  ui.messages.replaceChildren(...state.chat.messages.map((msg, i) => nodeFor(msg, i, waiting)));
   if (state.chat.messages.length === 0) {
     const empty = document.createElement("div");
     empty.className = "empty";
@@ -101,10 +113,19 @@ function scheduleLiveRender() {
     const stick = nearBottom();
     const index = state.chat.messages.indexOf(live.msg);
     const old = ui.messages.children[index];
-    if (old) old.replaceWith(nodeFor(live.msg, index));
+    if (old) replaceKeepingFocus(old, nodeFor(live.msg, index));
     renderTimeline(ui.timeline, live.msg);
     if (stick) ui.messages.scrollTop = ui.messages.scrollHeight;
   });
+}
+
+// A block's summary that had the keyboard focus keeps it when its message is redrawn.
+function replaceKeepingFocus(old, fresh) {
+  const focused = old.contains(document.activeElement) && document.activeElement.closest("[data-key]");
+  old.replaceWith(fresh);
+  if (!focused) return;
+  const again = fresh.querySelector(`[data-key="${focused.dataset.key}"] > summary`);
+  if (again) again.focus();
 }
 
 // ---- generation ----
@@ -113,41 +134,6 @@ function setStreaming(on) {
   ui.send.hidden = on;
   ui.stop.hidden = !on;
   document.body.dataset.streaming = on ? "1" : "0";
-}
-
-function historyForApi() {
-  const messages = [];
-  if (state.chat.system.trim()) messages.push({ role: "system", content: state.chat.system });
-  for (const m of state.chat.messages) {
-    // A stopped answer stays in the history as said so far; one stopped before any text is left out.
-    if (m.role === "user" || (m.role === "assistant" && !m.pending && m.content)) messages.push({ role: m.role, content: m.content });
-  }
-  return messages;
-}
-
-function onChunk(msg, chunk, ms) {
-  if (chunk.usage) msg.usage = chunk.usage;
-  if (chunk.timings) msg.timings = chunk.timings;
-  const choice = chunk.choices && chunk.choices[0];
-  if (!choice) return;
-  const content = (choice.delta && choice.delta.content) || "";
-  const entries = (choice.logprobs && choice.logprobs.content) || [];
-  const at = Math.round(ms * 10) / 10;
-  // With logprobs the server sends one entry per generated token, even for a token whose
-  // bytes are held back (content null), so each entry is one decode cell.
-  if (entries.length) {
-    msg.chunks += 1;
-    entries.forEach((entry, j) => {
-      const text = j === entries.length - 1 ? content : "";
-      msg.tokens.push(entry.token === text ? [at, text] : [at, text, entry.token]);
-    });
-  } else if (content) {
-    msg.chunks += 1;
-    msg.tokens.push([at, content]);
-  }
-  msg.content += content;
-  if (choice.finish_reason) msg.finish = choice.finish_reason;
-  scheduleLiveRender();
 }
 
 function failAnswer(msg, err) {
@@ -161,28 +147,35 @@ function failAnswer(msg, err) {
   }
 }
 
-async function generate() {
-  let fields;
+// The request fields, or null after saying next to the composer why nothing is sent.
+function checkedFields() {
   try {
-    fields = requestFields(state.settings);
+    const fields = requestFields(state.settings);
+    ui.composerError.hidden = true;
+    return fields;
   } catch (err) {
     if (!(err instanceof SettingsError)) throw err;
-    state.chat.messages.push({ role: "error", content: "not sent: " + err.message });
-    persist();
-    renderMessages();
-    return;
+    ui.composerError.textContent = `Not sent: ${err.message}. Fix it in the settings.`;
+    ui.composerError.hidden = false;
+    return null;
   }
-  // reasoning_format "none": a thinking model's <think>...</think> stays in the answer this page shows
-  // (its token cells and gauges follow content), rather than going to a reasoning_content it does not draw.
-  const body = { model: state.model || undefined, messages: historyForApi(), ...fields, logprobs: true, reasoning_format: "none" };
-  const msg = { role: "assistant", content: "", tokens: [], chunks: 0, pending: true };
+}
+
+// No reasoning_format: the server's default applies, which splits a thinking model's
+// <think>...</think> into reasoning_content (drawn collapsed above the answer).
+async function generate(fields) {
+  const body = { model: state.model || undefined, messages: historyForApi(state.chat), ...fields, logprobs: true };
+  const msg = newAnswer();
   const controller = new AbortController();
   state.chat.messages.push(msg);
   state.live = { msg, controller };
   setStreaming(true);
   renderMessages();
   try {
-    const { done } = await streamChat(body, controller.signal, (chunk, ms) => onChunk(msg, chunk, ms));
+    const { done } = await streamChat(body, controller.signal, (chunk, ms) => {
+      applyChunk(msg, chunk, ms);
+      scheduleLiveRender();
+    });
     if (!done && !msg.finish) msg.error = "the stream ended without [DONE]; the answer may be incomplete";
   } catch (err) {
     if (err && err.name === "AbortError") {
@@ -192,7 +185,7 @@ async function generate() {
       failAnswer(msg, err);
     }
   } finally {
-    delete msg.pending;
+    settleAnswer(msg);
     state.live = null;
     setStreaming(false);
     persist();
@@ -203,6 +196,8 @@ async function generate() {
 function sendPrompt() {
   const text = ui.prompt.value;
   if (state.live || text.trim() === "") return;
+  const fields = checkedFields();
+  if (!fields) return;  // the prompt stays in the box
   ui.prompt.value = "";
   if (state.chat.messages.length === 0) {
     state.chat.title = titleFrom(text);
@@ -210,15 +205,35 @@ function sendPrompt() {
   }
   state.chat.messages.push({ role: "user", content: text });
   persist();
-  generate();
+  generate(fields);
 }
 
+// The last answer again: it (and any error after it) goes; the user message or tool results before it stay.
 function regenerate() {
   if (state.live) return;
+  const fields = checkedFields();
+  if (!fields) return;
   const msgs = state.chat.messages;
-  while (msgs.length && msgs[msgs.length - 1].role !== "user") msgs.pop();
-  if (msgs.length) generate();
+  while (msgs.length && (msgs[msgs.length - 1].role === "assistant" || msgs[msgs.length - 1].role === "error")) msgs.pop();
+  if (msgs.length && openToolCalls(state.chat).length === 0) generate(fields);
   else renderMessages();
+}
+
+// A result typed for one call; once every call of the turn has one, the model continues.
+function answerToolCall(call, text) {
+  if (state.live) return;
+  const last = openToolCalls(state.chat).length === 1;
+  const fields = last ? checkedFields() : {};
+  if (!fields) return;  // the typed result stays in its box
+  state.chat.messages.push({ role: "tool", tool_call_id: call.id, name: call.function.name, content: text });
+  persist();
+  if (last) {
+    generate(fields);
+    return;
+  }
+  renderMessages();
+  const next = ui.messages.querySelector(".tool-reply input");
+  if (next) next.focus();
 }
 
 // ---- settings, server, drawers ----
@@ -228,13 +243,7 @@ function onSettingsInput(event) {
   if (!input.name) return;
   state.settings[input.name] = input.type === "checkbox" ? input.checked : input.value;
   saveSettings(state.settings);
-  try {
-    requestFields(state.settings);
-    ui.settingsError.hidden = true;
-  } catch (err) {
-    ui.settingsError.textContent = err.message;
-    ui.settingsError.hidden = false;
-  }
+  if (!showSettingsProblem(ui.settings, ui.settingsError, state.settings)) ui.composerError.hidden = true;
   if (input.name === "colour_tokens") renderMessages();
   if (input.name === "api_key") setApiKey(input.value);
 }
@@ -284,6 +293,7 @@ function init() {
     for (const m of chat.messages) if (m.pending) Object.assign(m, { pending: undefined, stopped: true, finish: "stopped" });
   }
   fillSettingsForm(ui.settings, state.settings);
+  showSettingsProblem(ui.settings, ui.settingsError, state.settings);
   setApiKey(state.settings.api_key);
   bind();
   setStreaming(false);

@@ -15,6 +15,8 @@ export const DEFAULT_SETTINGS = {
   seed: "",
   stop: "",
   json_schema: "",
+  tools: "",
+  tool_choice: "auto",
   colour_tokens: false,
   api_key: "",
 };

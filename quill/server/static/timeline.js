@@ -1,6 +1,8 @@
 // One answer's timeline (a prefill block, then one cell per generated token, width ∝ time)
 // and the answer's text coloured by token boundary.
 
+import { reasoningTokens } from "./answer.js";
+
 const MIN_CELL_PX = 2;
 const MIN_PREFILL_PX = 28;
 
@@ -64,6 +66,7 @@ function buildTrack(msg, times, width) {
   const total = times[times.length - 1] || 1;
   const pxPerMs = Math.max(width - 64, 40) / total;
   const slow = 2 * median(gaps.slice(1));
+  const thinking = reasoningTokens(msg);
   const track = el("div", "tl-track");
   const prefill = el("div", "tl-prefill", "prefill");
   const prefillPx = Math.max(MIN_PREFILL_PX, ttft * pxPerMs);
@@ -72,10 +75,11 @@ function buildTrack(msg, times, width) {
   prefill.title = prefillTitle(msg, ttft);
   track.appendChild(prefill);
   msg.tokens.forEach((token, i) => {
-    const cell = el("div", i === 0 ? "tl-cell first" : gaps[i] > slow && slow > 0 ? "tl-cell slow" : "tl-cell");
+    const kind = i === 0 ? "tl-cell first" : gaps[i] > slow && slow > 0 ? "tl-cell slow" : "tl-cell";
+    const cell = el("div", i < thinking ? kind + " thinking" : kind);
     cell.dataset.i = String(i);
     cell.style.width = Math.max(MIN_CELL_PX, gaps[i] * pxPerMs) + "px";
-    cell.title = cellText(msg, times, gaps, i);
+    cell.title = cellText(msg, times, gaps, i) + (i < thinking ? " · thinking" : "");
     track.appendChild(cell);
   });
   track.appendChild(el("div", "tl-end end-" + endLabel(msg).replace(/\W/g, ""), endLabel(msg)));

@@ -1,5 +1,7 @@
 // Chat messages, per-answer gauges and server gauges as DOM nodes (text via textContent only).
 
+import { toolCalls } from "./answer.js";
+import { reasoningBlock, toolCallsNode, toolResultNode } from "./blocks.js";
 import { renderMarkdown } from "./md.js";
 import { fmtMs, renderTokens } from "./timeline.js";
 
@@ -67,12 +69,16 @@ function answerBody(msg, colourTokens) {
   const body = el("div", "body");
   if (colourTokens && msg.tokens && msg.tokens.length) renderTokens(body, msg);
   else if (msg.content) body.appendChild(renderMarkdown(msg.content));
-  else if (msg.pending) body.appendChild(el("span", "cursor", "▍"));
+  else if (msg.pending && !msg.reasoning && toolCalls(msg).length === 0) body.appendChild(el("span", "cursor", "▍"));
   return body;
 }
 
-/** One message as a node; `last` adds the regenerate button. */
-export function messageNode(msg, { colourTokens, last, onRegenerate }) {
+/**
+ * One message as a node; `last` adds the regenerate button. `expanded` (a Set) holds the keys of
+ * this message's open blocks; `reply` ({waiting: Set of call ids, onReply}) lets calls be answered.
+ */
+export function messageNode(msg, { colourTokens, last, onRegenerate, expanded = new Set(), reply = null }) {
+  if (msg.role === "tool") return toolResultNode(msg);
   const node = el("article", "msg " + msg.role);
   if (msg.role === "user") {
     node.appendChild(el("div", "body plain", msg.content));
@@ -82,7 +88,9 @@ export function messageNode(msg, { colourTokens, last, onRegenerate }) {
     node.setAttribute("role", "alert");
     node.appendChild(el("div", "body plain", msg.content));
   } else {
+    if (msg.reasoning) node.appendChild(reasoningBlock(msg, expanded));
     node.appendChild(answerBody(msg, colourTokens));
+    if (toolCalls(msg).length) node.appendChild(toolCallsNode(msg, expanded, reply));
     if (msg.error) node.appendChild(el("div", "inline-error", msg.error));
     if (msg.tokens && msg.tokens.length) node.appendChild(gaugesRow(msg));
   }
