@@ -222,6 +222,9 @@ def test_auto_without_parallel_allows_one_call_only():
         assert vocab.accepts(matcher, one)
         assert not vocab.accepts(matcher, one + " " + hermes(ONE))
         assert not vocab.accepts(matcher, hermes(ONE) + " later <tool_call>\nnot json")
+        parallel = vocab.matcher(grammar("hermes", vocab, "auto", True, None))
+        assert vocab.accepts(parallel, one + " " + hermes(ONE))
+        assert not vocab.accepts(parallel, hermes(ONE) + " later <tool_call>\nnot json")
 
 
 def test_llama3_auto_text_must_not_begin_like_a_call():

@@ -483,13 +483,13 @@ def marked_calls(marker: str, call: str, required: bool, parallel: bool, added_t
     # A text marker ends free text through a lazy lexeme: the first place the marker appears.
     # The first one uses `lead`, so that a think block's text cannot be read as answer text.
     first = "trigger" if lead == "TEXT" else "first_trigger"
-    rules = [f"trigger[lazy]: TEXT {opener}", FREE_TEXT, no_marker]
+    rules = [f"trigger[lazy]: TEXT {opener}", FREE_TEXT]
     if first != "trigger":
         rules.append(f"first_trigger[lazy]: {lead} {opener}")
     if parallel:
         return GrammarBody(f"{first} {call} (trigger {call})* TEXT | {lead}", tuple(rules), free_start=True)
     # After the one call, text that never writes the marker again.
-    return GrammarBody(f"{lead} | {first} {call} NO_MARKER", tuple(rules), free_start=True)
+    return GrammarBody(f"{lead} | {first} {call} NO_MARKER", (*rules, no_marker), free_start=True)
 
 
 def regex_text(text: str) -> str:
