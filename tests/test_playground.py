@@ -615,6 +615,8 @@ def test_tool_call_round_trip_through_the_server(fake_desk, fake, shot_dir):
     assert "<tool_call>" not in answer.text_content() and "think>" not in answer.text_content()
     assert answer.locator("details.reasoning .reasoning-text").text_content() == "I need the weather tool."
     assert "finish: tool_calls" in answer.locator(".foot").inner_text()
+    cells = page.locator("#timeline .tl-cell").count()
+    assert cells == gauge(page, "#messages .msg.assistant", "output") and f"= {cells} generated tokens" in page.inner_text("#timeline")
     call.locator("summary").click()
     assert call.locator("pre").inner_text() == json.dumps({"city": "Paris"}, indent=2)
     page.screenshot(path=str(shot_dir / "playground-tool-round-trip.png"))

@@ -39,16 +39,19 @@ function addToolCallDeltas(msg, deltas) {
 
 // With logprobs the server sends one entry per generated token, even for a token whose text is
 // held back or is not content (reasoning, tool-call markup), so each entry is one timeline cell;
-// the chunk's content goes on its last entry. Without entries a chunk that brought text is a cell.
+// the chunk's content goes on its last entry. A step that yields several kinds comes as several
+// chunks with the entries on the last, so once entries came, a chunk without them adds no cell.
+// A stream without logprobs gets one cell per chunk that brought text.
 function addCells(msg, entries, at, content, other, thinking) {
   if (entries.length) {
     msg.chunks += 1;
+    msg.cellsFromLogprobs = true;
     entries.forEach((entry, j) => {
       const text = j === entries.length - 1 ? content : "";
       msg.tokens.push(entry.token === text ? [at, text] : [at, text, entry.token]);
     });
     if (thinking) msg.thinkingCells += entries.length;
-  } else if (content || other) {
+  } else if (!msg.cellsFromLogprobs && (content || other)) {
     msg.chunks += 1;
     msg.tokens.push(content ? [at, content] : [at, "", other]);
     if (thinking) msg.thinkingCells += 1;
