@@ -1,4 +1,5 @@
-"""FastAPI app: OpenAI-compatible routes, health, metrics, tokenizer endpoints, static page."""
+"""FastAPI app: OpenAI-compatible routes, Anthropic's Messages API, health, metrics, tokenizer
+endpoints, static page."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match, Mount
 
-from quill.server import handlers
+from quill.server import anthropic, handlers
 from quill.server.errors import APIError, InternalErrorMiddleware, bad_request, install_handlers
 from quill.server.guard import GuardMiddleware
 from quill.server.limits import HTTPLimits
@@ -189,6 +190,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request, body: CompletionRequest):
         state.log_extra_fields(body)
         return await handlers.completions(request, body, state)
+
+    @app.post("/v1/messages", tags=["anthropic"])
+    async def messages(request: Request, body: anthropic.MessagesRequest):
+        state.log_extra_fields(body)
+        return await anthropic.messages(request, body, state)
+
+    @app.post("/v1/messages/count_tokens", tags=["anthropic"])
+    async def count_tokens(body: anthropic.CountTokensRequest):
+        state.log_extra_fields(body)
+        return await anthropic.count_tokens(body, state)
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models():

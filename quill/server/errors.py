@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies, and the handlers that turn every failure into one."""
+"""Error bodies (OpenAI's, or Anthropic's on the Messages API paths), and the handlers that turn
+every failure into one."""
 
 from __future__ import annotations
 
@@ -50,17 +51,44 @@ class APIError(Exception):
         self.headers = dict(headers or {})
 
 
+# Anthropic's error types by status (docs.claude.com/en/api/errors): another 4xx is an
+# invalid_request_error, another 5xx an api_error; 503 is overloaded (Anthropic's own is 529).
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"  # and what is under it (/v1/messages/count_tokens)
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
 
 
-def error_response(err: APIError) -> JSONResponse:
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(err: APIError, path: str) -> dict:
+    """The one decision of an error's shape: Anthropic's on the Messages API paths, else OpenAI's."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return anthropic_error_body(err.status, err.message)
+    return error_body(err.status, err.message, err.param, err.code)
+
+
+def error_response(err: APIError, path: str) -> JSONResponse:
+    """`err` as the answer to a request for `path` (which picks the body's shape)."""
     headers = dict(err.headers)
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, int(round(err.retry_after))))
     if err.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status, headers=headers)
+    return JSONResponse(error_body_for(err, path), status_code=err.status, headers=headers)
 
 
 def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
@@ -110,26 +138,26 @@ def _short(value: object, limit: int = 80) -> str:
 
 
 def install_handlers(app: FastAPI, on_error=None) -> None:
-    """Every error, including routing and validation errors, leaves as an OpenAI error body."""
+    """Every error, including routing and validation errors, leaves as an error body (error_body_for)."""
 
-    def respond(err: APIError) -> JSONResponse:
+    def respond(request: Request, err: APIError) -> JSONResponse:
         if on_error is not None:
             on_error(err)
-        return error_response(err)
+        return error_response(err, request.scope["path"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return respond(exc)
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return respond(validation_error(exc))
+        return respond(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         parse_error = _body_parse_error(exc)
         if parse_error is not None:
-            return respond(parse_error)
+            return respond(request, parse_error)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
@@ -137,7 +165,7 @@ def install_handlers(app: FastAPI, on_error=None) -> None:
         headers = dict(exc.headers or {})
         if exc.status_code == 405 and "Allow" in headers:
             message = f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
-        return respond(APIError(exc.status_code, message, code=code, headers=headers))
+        return respond(request, APIError(exc.status_code, message, code=code, headers=headers))
 
 
 def _body_parse_error(exc: StarletteHTTPException) -> APIError | None:
@@ -161,7 +189,7 @@ def invalid_utf8_message(exc: UnicodeDecodeError) -> str:
 
 
 class InternalErrorMiddleware:
-    """Outermost guard: an exception no handler took becomes an OpenAI-shaped 500.
+    """Outermost guard: an exception no handler took becomes a 500 error body.
 
     Starlette's own last-resort handler answers and then re-raises, so uvicorn drops the
     keep-alive connection without saying so and the client's next request on it fails. Here
@@ -195,4 +223,4 @@ class InternalErrorMiddleware:
                            headers={"Connection": "close"})
             if self.on_error is not None:
                 self.on_error(err)
-            await error_response(err)(scope, receive, send)
+            await error_response(err, scope["path"])(scope, receive, send)

@@ -33,7 +33,8 @@ class GuardMiddleware:
         if too_big is not None:
             return await self._refuse(scope, receive, send, too_big, body_pending=False)
         if state.api_key and scope["path"].startswith(_PROTECTED_PREFIXES) and not _authorized(scope, state.api_key):
-            return await self._refuse(scope, receive, send, APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"))
+            message = "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+            return await self._refuse(scope, receive, send, APIError(401, message, code="invalid_api_key"))
         if scope["method"] not in _BODY_METHODS:
             return await self.app(scope, receive, send)
         limit = state.max_body_bytes
@@ -68,7 +69,7 @@ class GuardMiddleware:
                     await _discard_body(receive, _DISCARD_LIMIT)
             except TimeoutError:
                 err.headers["Connection"] = "close"
-        await error_response(err)(scope, receive, send)
+        await error_response(err, scope["path"])(scope, receive, send)
 
 
 _DISCARD_LIMIT = 64 * 1024 * 1024
@@ -141,9 +142,14 @@ def _header(scope, name: bytes) -> str | None:
 
 
 def _authorized(scope, api_key: str) -> bool:
+    """The key as OpenAI clients send it (Authorization: Bearer) or as Anthropic's do (x-api-key)."""
+    expected = api_key.encode()
     auth = _header(scope, b"authorization") or ""
     scheme, _, token = auth.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected):
+        return True
+    key = _header(scope, b"x-api-key")
+    return key is not None and hmac.compare_digest(key.encode(), expected)
 
 
 def _replay(body: bytes, receive):

@@ -12,9 +12,9 @@ from starlette.concurrency import run_in_threadpool
 
 from quill.engine.errors import RequestFailed
 from quill.server.accumulator import Accumulator
-from quill.server.errors import APIError, bad_request, error_body
+from quill.server.errors import APIError, bad_request, error_body_for
 from quill.server.protocol import ChatCompletionRequest, CompletionRequest, requested_max_tokens, to_sampling_params
-from quill.server.responses import TokenText, sse
+from quill.server.responses import OPENAI, TokenText
 from quill.server.streams import DISCONNECTED, Job, RequestGroup, SSEResponse, until_disconnect
 
 logger = logging.getLogger("quill.server")
@@ -156,7 +156,9 @@ def engine_error(exc: Exception, names: dict, retry_after: float) -> APIError:
     raise exc
 
 
-async def chat_completions(request: Request, body: ChatCompletionRequest, state) -> Response:
+async def chat_completions(request: Request, body: ChatCompletionRequest, state, adapter=None) -> Response:
+    """`adapter`: what turns the OpenAI body or stream into what goes out (responses.OpenAIAdapter,
+    the default; quill.server.anthropic answers /v1/messages through this path with its own)."""
     engine = state.require_engine()
     check_model(state, body.model)
     ids = await run_in_threadpool(encode_chat, engine, template_messages(body.messages), template_kwargs(body))
@@ -165,7 +167,13 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = [Job(response_id, ids, None)]
     return await _generate(request, state, engine, body, "chat", response_id, jobs, params, echo=None,
-                           reasoning_opened=reasoning_opened(state, engine, body, ids))
+                           reasoning_opened=reasoning_opened(state, engine, body, ids), adapter=adapter)
+
+
+def chat_prompt(state, engine, body: ChatCompletionRequest) -> tuple[list[int], object]:
+    """(prompt ids, tool plan or None) as chat_completions renders them, tools included (blocking:
+    call it off the event loop). /v1/messages/count_tokens counts these."""
+    return encode_chat(engine, template_messages(body.messages), template_kwargs(body)), None
 
 
 def reasoning_opened(state, engine, body: ChatCompletionRequest, ids: list[int]) -> bool | None:
@@ -199,8 +207,11 @@ async def completions(request: Request, body: CompletionRequest, state) -> Respo
     return await _generate(request, state, engine, body, "completion", response_id, jobs, params, echo=echo)
 
 
-async def _generate(request, state, engine, body, kind, response_id, jobs, params, echo, reasoning_opened=None) -> Response:
-    """Run the jobs; answer one JSON body, or hand the group to an SSE response."""
+async def _generate(request, state, engine, body, kind, response_id, jobs, params, echo, reasoning_opened=None,
+                    adapter=None) -> Response:
+    """Run the jobs; answer one JSON body, or hand the group to an SSE response; `adapter` (default
+    OpenAI's) shapes what goes out."""
+    adapter = adapter or OPENAI
     acc = Accumulator(
         kind=kind,
         response_id=response_id,
@@ -238,16 +249,16 @@ async def _generate(request, state, engine, body, kind, response_id, jobs, param
             # Admitted, then failed inside the engine before its first output: a stream still
             # answers 200 and carries the failure as an error event, as it would a moment later.
             handed_off = True
-            return SSEResponse(_stream(acc, group, None, names, state, failed=exc), on_close=close)
+            return SSEResponse(_stream(acc, group, None, names, state, adapter, request.scope["path"], failed=exc), on_close=close)
         if first is DISCONNECTED:
             return Response(status_code=499)
         if body.stream:
             handed_off = True
-            return SSEResponse(_stream(acc, group, first, names, state), on_close=close)
+            return SSEResponse(_stream(acc, group, first, names, state, adapter, request.scope["path"]), on_close=close)
         result = await until_disconnect(request.receive, _collect(acc, group, first))
         if result is DISCONNECTED:
             return Response(status_code=499)
-        return JSONResponse(acc.response())
+        return JSONResponse(adapter.body(acc.response()))
     except Exception as exc:
         raise engine_error(exc, names, state.retry_after) from exc
     finally:
@@ -261,15 +272,22 @@ async def _collect(acc: Accumulator, group: RequestGroup, event) -> None:
         event = await group.next()
 
 
-async def _stream(acc: Accumulator, group: RequestGroup, event, names: dict, state, failed: Exception | None = None):
-    for chunk in acc.opening_chunks():
-        yield sse(chunk)
+async def _stream(acc: Accumulator, group: RequestGroup, event, names: dict, state, adapter, path: str,
+                  failed: Exception | None = None):
+    """The stream's bytes: the accumulator's OpenAI chunks through `adapter`; `event` is the first
+    output (None when the request failed before it); `path` picks the error body's shape."""
+    prompt_tokens = sum(len(job.prompt_token_ids) for job in group.jobs)
+    cached_tokens = (event[1].num_cached_tokens or 0) if event is not None else 0
+    opening = adapter.start(acc.id, prompt_tokens, cached_tokens) + b"".join(map(adapter.chunk, acc.opening_chunks()))
+    if opening:  # an adapter may have nothing to say yet (an empty write is no SSE event)
+        yield opening
     try:
         if failed is not None:
             raise failed
         while event is not None:
-            for chunk in acc.chunks(*event):
-                yield sse(chunk)
+            step = b"".join(map(adapter.chunk, acc.chunks(*event)))
+            if step:
+                yield step
             event = await group.next()
     except Exception as exc:  # mid-stream: headers are gone, so the error travels as an event
         try:
@@ -278,10 +296,7 @@ async def _stream(acc: Accumulator, group: RequestGroup, event, names: dict, sta
             logger.exception("engine failed mid-stream")
             err = APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
         state.metrics.count_error(err.status, err.code)
-        yield sse(error_body(err.status, err.message, err.param, err.code))
-        yield sse("[DONE]")
+        yield adapter.error(error_body_for(err, path))
         return
     closing = acc.closing_chunk()
-    if closing is not None:
-        yield sse(closing)
-    yield sse("[DONE]")
+    yield (adapter.chunk(closing) if closing is not None else b"") + adapter.end()

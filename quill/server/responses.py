@@ -1,4 +1,5 @@
-"""Response pieces in OpenAI's shapes: usage, llama-server-style timings, logprobs, SSE."""
+"""Response pieces in OpenAI's shapes: usage, llama-server-style timings, logprobs, SSE, the
+OpenAI adapter."""
 
 from __future__ import annotations
 
@@ -8,6 +9,36 @@ import json
 def sse(data: dict | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     return f"data: {payload}\n\n".encode()
+
+
+class OpenAIAdapter:
+    """What goes out of chat and text completions: the accumulator's OpenAI bodies as they are.
+
+    An adapter turns the final OpenAI response into the body to send (`body`) and a stream's
+    pieces into SSE bytes: `start` once before the first chunk (the response id, the prompt's
+    tokens and how many of them came from the prefix cache), `chunk` for each OpenAI chunk,
+    then either `error` (an error body already in the request's shape, errors.error_body_for)
+    or `end`. Empty bytes mean nothing to send. quill.server.anthropic.AnthropicAdapter is the
+    other one; handlers.chat_completions takes either.
+    """
+
+    def body(self, response: dict) -> dict:
+        return response
+
+    def start(self, response_id: str, prompt_tokens: int, cached_tokens: int) -> bytes:
+        return b""
+
+    def chunk(self, chunk: dict) -> bytes:
+        return sse(chunk)
+
+    def error(self, body: dict) -> bytes:
+        return sse(body) + sse("[DONE]")
+
+    def end(self) -> bytes:
+        return sse("[DONE]")
+
+
+OPENAI = OpenAIAdapter()
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None) -> dict:

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; 0.0.0.0 exposes it)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    g.add_argument("--api-key", default=os.environ.get("QUILL_API_KEY"), metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (env QUILL_API_KEY)")
+    g.add_argument("--api-key", default=os.environ.get("QUILL_API_KEY"), metavar="KEY", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/* (env QUILL_API_KEY)")
     g.add_argument("--served-model-name", default=None, metavar="NAME", help="the model id clients send (default: the model's name)")
     g.add_argument("--max-waiting", type=positive_int, default=None, metavar="N", help="refuse (503 + Retry-After) beyond this many queued requests")
     g.add_argument("--drain-timeout", type=_nonnegative_float, default=30.0, metavar="SECONDS", help="on SIGTERM, how long in-flight requests may finish (default 30)")
