@@ -35,6 +35,12 @@ class FakeTokenizer:
     def id_to_piece(self, token_id: int) -> str:
         return "<eos>" if token_id == EOS else self.decode([token_id])
 
+    def added_token_kind(self, text: str) -> str | None:
+        return None  # bytes only: every marker is spelt out
+
+    def added_token_id(self, text: str) -> int | None:
+        return None
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         for i, m in enumerate(messages):
             if m["role"] == "system" and i != 0:

@@ -57,7 +57,7 @@ BAD_INPUTS = [
     ("response-format-type", CHAT, chat(response_format={"type": "xml"}), 400, "response_format", None),
     ("logit-bias-out-of-vocab", CHAT, chat(logit_bias={"260": 10}), 400, "logit_bias", None),
     ("logit-bias-range", COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"5": -100.5}}, 400, "logit_bias", None),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "two words"}}]), 400, "tools[0].function.name", "invalid_request"),
     ("seed-range", CHAT, chat(seed=2**70), 400, "seed", None),
     ("context-exceeded", CHAT, chat(max_tokens=120), 400, "max_tokens", "context_length_exceeded"),
     ("prompt-too-long", CHAT, chat(messages=[{"role": "user", "content": "x" * 200}]), 400, "messages", "context_length_exceeded"),

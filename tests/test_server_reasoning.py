@@ -209,15 +209,17 @@ def test_serve_flag_is_parsed():
 # ---------------------------------------------------------------- a real `quill serve` on a tiny Qwen3
 
 
-def tiny_qwen3_folder(path, chat_template: str):
+def tiny_qwen3_folder(path, chat_template: str, added: tuple[str, ...] = (), max_positions: int = 512):
     """A random Qwen3 with a byte-level tokenizer (<|im_start|> / <|im_end|> special, EOS <|im_end|>)
     in which <think> and </think> are plain bytes, so the model writes each marker over 7 or 8
     tokens. (Qwen3's own vocabulary has them as single added, non-special tokens; with one here,
     the regex constraint that shapes the output allows only that token for a regex's "<think>" and
-    then its matcher refuses it, a 500 GuidedError: a guided-output bug of its own, not this one.)"""
+    then its matcher refuses it, a 500 GuidedError: a guided-output bug of its own, not this one.)
+    `added`: texts made one added, non-special token each, as Qwen's <tool_call> and </tool_call>
+    (the tool grammars name such markers as tokens)."""
     import torch
     import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -227,11 +229,14 @@ def tiny_qwen3_folder(path, chat_template: str):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    for name in added:  # one token each, kept on decode (as Qwen's <tool_call>, </tool_call>, <think>)
+        vocab[name] = len(vocab)
+    tokenizer.add_tokens([AddedToken(name, special=False, normalized=False) for name in added])
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": chat_template}))
     torch.manual_seed(0)
     config = tf.Qwen3Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions,
                             tie_word_embeddings=True, eos_token_id=vocab["<|im_end|>"])
     tf.Qwen3ForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
     return path

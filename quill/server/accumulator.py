@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quill.reasoning import ReasoningParser, count_reasoning_tokens
 from quill.server.responses import TokenText, chat_logprobs, completion_logprobs, timings, usage
+from quill.server.tool_calls import call_json, finish_reason
 
 
 @dataclass
@@ -19,13 +20,15 @@ class Delta:
     stop_reason: str | int | None
     text_offset: int  # characters of this choice already sent (completions logprobs)
     reasoning: str = ""  # new reasoning text (chat with reasoning_format deepseek)
+    tool_calls: list = field(default_factory=list)  # calls completed in this delta (quill.tools.ToolCall)
+    first_call: int = 0  # the choice's index of tool_calls[0]
 
 
 class Accumulator:
     """Tracks every choice of a request (prompt p, completion j -> choice index p * n + j)."""
 
     def __init__(self, *, kind, response_id, model, created, n, num_prompts, names: TokenText, echo, include_usage,
-                 reasoning_opened: bool | None = None):
+                 reasoning_opened: bool | None = None, tool_parser=None):
         self.kind = kind  # "chat" | "completion"
         self.id = response_id
         self.model = model
@@ -45,6 +48,10 @@ class Accumulator:
         # the text goes out untouched); one parser per choice splits reasoning from content.
         self.reasoning_opened = reasoning_opened
         self.parsers: dict[int, ReasoningParser] = {}
+        # Chat with tools: a factory of quill.tools parsers (None: no tools), one per choice, fed
+        # the content (after reasoning is split off); it gives out text and completed calls.
+        self.tool_parser = tool_parser
+        self.tool_parsers: dict = {}
 
     # ---- bookkeeping ----------------------------------------------------------------
 
@@ -87,9 +94,22 @@ class Accumulator:
             if completion.finished:
                 more_reasoning, more_text = parser.finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text
-        if not (text or reasoning or new_logprobs or completion.finished):
+        calls, first_call = [], 0
+        if self.tool_parser is not None:
+            tools = self.tool_parsers.get(index)
+            if tools is None:
+                tools = self.tool_parsers[index] = self.tool_parser()
+            first_call = len(tools.calls)
+            text, calls = tools.feed(text)
+            if completion.finished:
+                more_text, more_calls = tools.finish()
+                text, calls = text + more_text, calls + more_calls
+        if not (text or reasoning or calls or new_logprobs or completion.finished):
             return []
-        return [Delta(index, text, new_logprobs, completion.finish_reason, completion.stop_reason, len(before), reasoning)]
+        reason = completion.finish_reason
+        if completion.finished and self.tool_parser is not None:
+            reason = finish_reason(reason, bool(self.tool_parsers[index].calls))
+        return [Delta(index, text, new_logprobs, reason, completion.stop_reason, len(before), reasoning, calls, first_call)]
 
     @property
     def all_finished(self) -> bool:
@@ -138,22 +158,31 @@ class Accumulator:
         return chunks
 
     def _choice_deltas(self, d: Delta) -> list[dict]:
-        """One chunk's choice, or two when a step ends the reasoning and starts the answer: the
-        reasoning first, then the content (with the step's logprobs and finish_reason)."""
-        before = []
+        """One chunk's choice, or several when a step holds several kinds, in the output's order:
+        reasoning, content, then each completed tool call as OpenAI streams one (its id, type and
+        name with empty arguments, then the arguments). The last carries the step's logprobs and
+        finish_reason."""
         if self.kind == "chat":
             lp = chat_logprobs(d.logprobs, self.names) if d.logprobs else None
-            if d.reasoning and d.text:
-                before.append({"index": d.index, "delta": {"reasoning_content": d.reasoning}, "logprobs": None, "finish_reason": None})
-            delta = {"content": d.text} if d.text else {"reasoning_content": d.reasoning} if d.reasoning else {}
-            choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+            pieces = [{"reasoning_content": d.reasoning}] if d.reasoning else []
+            if d.text:
+                pieces.append({"content": d.text})
+            for number, call in enumerate(d.tool_calls, d.first_call):
+                head = call_json(call)
+                head["function"] = {"name": call.name, "arguments": ""}
+                pieces.append({"tool_calls": [{"index": number, **head}]})
+                pieces.append({"tool_calls": [{"index": number, "function": {"arguments": call.arguments}}]})
+            choices = [{"index": d.index, "delta": piece, "logprobs": None, "finish_reason": None} for piece in pieces or [{}]]
+            choice = choices[-1]
+            choice["logprobs"], choice["finish_reason"] = lp, d.finish_reason
         else:
             offset = len(self._echo(d.index)) + d.text_offset
             lp = completion_logprobs(d.logprobs, self.names, offset) if d.logprobs else None
             choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            choices = [choice]
         if d.finish_reason is not None:
             choice["stop_reason"] = d.stop_reason
-        return [*before, choice]
+        return choices
 
     def closing_chunk(self) -> dict | None:
         """The usage chunk (choices: []), when stream_options.include_usage asked for it."""
@@ -187,7 +216,14 @@ class Accumulator:
             if index in self.parsers:
                 reasoning, content = self.parsers[index].message()
                 message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
-            return {"index": index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            reason = c.finish_reason
+            tools = self.tool_parsers.get(index)
+            if tools is not None:
+                message["content"] = tools.content or (None if tools.calls or message["content"] is None else "")
+                if tools.calls:
+                    message["tool_calls"] = [call_json(call) for call in tools.calls]
+                reason = finish_reason(reason, bool(tools.calls))
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason, "stop_reason": c.stop_reason}
         echo = self._echo(index)
         lp = completion_logprobs(entries, self.names, len(echo)) if entries is not None else None
         return {"index": index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

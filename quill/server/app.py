@@ -31,9 +31,10 @@ class ServerState:
     """What the routes share: the engine (None while loading), names, limits, drain state."""
 
     def __init__(self, engine, served_model_name, api_key, max_body_bytes, retry_after, limits: HTTPLimits,
-                 reasoning_format: str | None = None):
+                 reasoning_format: str | None = None, tool_parser: str | None = None):
         self.engine = None
         self.reasoning_format = reasoning_format  # --reasoning-format; None: from the chat template
+        self.tool_parser = tool_parser  # --tool-parser; None: from the chat template (quill.tools.detect_parser)
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -131,10 +132,13 @@ def create_app(
     static_dir: Path | None = STATIC_DIR,
     limits: HTTPLimits | None = None,
     reasoning_format: str | None = None,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     """The server app. `engine` may be None and attached later (attach_engine) so that
     /health can answer 503 while the model loads. `reasoning_format` ("none" | "deepseek"; None:
-    decided from the model's chat template) is the default for chat requests that name none."""
+    decided from the model's chat template) is the default for chat requests that name none.
+    `tool_parser` (a quill.tools.PARSER_NAMES name; None or "auto": decided from the chat template)
+    reads tool calls out of chat outputs."""
     from quill import __version__
 
     app = FastAPI(title="quill", version=__version__, description="OpenAI-compatible API for the quill inference engine")
@@ -142,7 +146,14 @@ def create_app(
         from quill.reasoning import check_reasoning_format
 
         check_reasoning_format(reasoning_format)
-    state = ServerState(engine, served_model_name, api_key, max_body_bytes, retry_after, limits or HTTPLimits(), reasoning_format)
+    if tool_parser == "auto":
+        tool_parser = None
+    if tool_parser is not None:
+        from quill.tools import parser_class
+
+        parser_class(tool_parser)  # an unknown name fails here, listing the names
+    state = ServerState(engine, served_model_name, api_key, max_body_bytes, retry_after, limits or HTTPLimits(), reasoning_format,
+                        tool_parser)
     app.state.quill = state
 
     def count_error(err: APIError) -> None:

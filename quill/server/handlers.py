@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from quill.server.errors import APIError, bad_request, error_body_for
 from quill.server.protocol import ChatCompletionRequest, CompletionRequest, requested_max_tokens, to_sampling_params
 from quill.server.responses import OPENAI, TokenText
 from quill.server.streams import DISCONNECTED, Job, RequestGroup, SSEResponse, until_disconnect
+from quill.server.tool_calls import plan_tools
 
 logger = logging.getLogger("quill.server")
 
@@ -51,8 +53,29 @@ def template_messages(messages) -> list[dict]:
         item = {"role": "system" if message.role == "developer" else message.role, "content": content}
         if message.name:
             item["name"] = message.name
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls: only assistant messages carry tool calls, this one is {message.role!r}",
+                                  "messages")
+            item["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            item["reasoning_content"] = message.reasoning_content
         out.append(item)
     return out
+
+
+def _template_call(call, where: str) -> dict:
+    """One assistant tool call as transformers' templates read it: arguments as an object
+    (vLLM and llama-server parse them too; templates write them with tojson)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"{where}.function.arguments: is not valid JSON ({exc})", "messages") from exc
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}.function.arguments: must be a JSON object, got {type(arguments).__name__}", "messages")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def template_kwargs(body) -> dict:
@@ -161,19 +184,27 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state,
     the default; quill.server.anthropic answers /v1/messages through this path with its own)."""
     engine = state.require_engine()
     check_model(state, body.model)
-    ids = await run_in_threadpool(encode_chat, engine, template_messages(body.messages), template_kwargs(body))
+    ids, tools = await run_in_threadpool(chat_prompt, state, engine, body)
     max_tokens = resolve_max_tokens(body, len(ids), engine.max_model_len, None, "messages")
-    params = to_sampling_params(body, max_tokens, engine.tokenizer.vocab_size)
+    opened = reasoning_opened(state, engine, body, ids)
+    grammar = tools.grammar(engine.tokenizer, opened) if tools is not None else None
+    params = to_sampling_params(body, max_tokens, engine.tokenizer.vocab_size, tool_grammar=grammar,
+                                keep_special_tokens=tools is not None and tools.needs_special_tokens(engine.tokenizer))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = [Job(response_id, ids, None)]
     return await _generate(request, state, engine, body, "chat", response_id, jobs, params, echo=None,
-                           reasoning_opened=reasoning_opened(state, engine, body, ids), adapter=adapter)
+                           reasoning_opened=opened, tool_parser=tools.new_parser if tools is not None else None, adapter=adapter)
 
 
 def chat_prompt(state, engine, body: ChatCompletionRequest) -> tuple[list[int], object]:
     """(prompt ids, tool plan or None) as chat_completions renders them, tools included (blocking:
     call it off the event loop). /v1/messages/count_tokens counts these."""
-    return encode_chat(engine, template_messages(body.messages), template_kwargs(body)), None
+    tools = plan_tools(state, engine, body)
+    messages, kwargs = template_messages(body.messages), template_kwargs(body)
+    if tools is not None:
+        messages, extra = tools.template_inputs(messages)
+        kwargs = {**kwargs, **extra}
+    return encode_chat(engine, messages, kwargs), tools
 
 
 def reasoning_opened(state, engine, body: ChatCompletionRequest, ids: list[int]) -> bool | None:
@@ -208,7 +239,7 @@ async def completions(request: Request, body: CompletionRequest, state) -> Respo
 
 
 async def _generate(request, state, engine, body, kind, response_id, jobs, params, echo, reasoning_opened=None,
-                    adapter=None) -> Response:
+                    tool_parser=None, adapter=None) -> Response:
     """Run the jobs; answer one JSON body, or hand the group to an SSE response; `adapter` (default
     OpenAI's) shapes what goes out."""
     adapter = adapter or OPENAI
@@ -223,6 +254,7 @@ async def _generate(request, state, engine, body, kind, response_id, jobs, param
         echo=echo,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         reasoning_opened=reasoning_opened,
+        tool_parser=tool_parser,
     )
     names = state.param_names(body)
     group = RequestGroup(engine, jobs, params, fault=request.headers.get(FAULT_HEADER))

@@ -68,11 +68,29 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # OpenAI sends the arguments object as JSON text
+
+
+class ToolCallItem(BaseModel):
+    """One call of an assistant message's tool_calls, as OpenAI clients send it back."""
+
+    model_config = _STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its reasoning, for templates that show it (Qwen3's)
 
 
 class _SamplingFields(_Request):
@@ -210,8 +228,6 @@ def unsupported_fields(req: _SamplingFields) -> None:
     from quill.server.errors import bad_request
 
     if isinstance(req, ChatCompletionRequest):
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tools (function calling) are not supported by quill", "tools", "unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     if isinstance(req, CompletionRequest):
@@ -223,8 +239,13 @@ def unsupported_fields(req: _SamplingFields) -> None:
             raise bad_request("echo together with logprobs is not supported by quill", "echo", "unsupported_parameter")
 
 
-def to_sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int):
-    """Build SamplingParams; a ParamError becomes a 400 naming the request's own field."""
+def to_sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int, tool_grammar: str | None = None,
+                       keep_special_tokens: bool = False):
+    """Build SamplingParams; a ParamError becomes a 400 naming the request's own field.
+
+    tool_grammar: the llguidance grammar a chat request's tools put on the output
+    (quill.server.tool_calls.ToolPlan.grammar); it cannot be combined with another constraint.
+    keep_special_tokens: decode special tokens into the text (a tool-call marker is one)."""
     from quill.sampling_params import ParamError, SamplingParams
     from quill.server.errors import bad_request
 
@@ -233,6 +254,12 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int):
         if not 0 <= tid < vocab_size:
             raise bad_request(f"stop_token_ids: token id {tid} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
     constraint, source = structured_fields(req)
+    if tool_grammar is not None:
+        if constraint:
+            field = constraint["extra"]["guided_param"]
+            raise bad_request(f"{field}: cannot be combined with tools: the tool-call format already constrains the output "
+                              "(send tool_choice \"none\" to use it without tools)", field)
+        constraint, source = {"grammar": tool_grammar, "extra": {"guided_param": "tools"}}, {"grammar": "tools"}
     chat = isinstance(req, ChatCompletionRequest)
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
     _, max_name = requested_max_tokens(req)
@@ -255,7 +282,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int):
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
             logit_bias=req.logit_bias,
             **constraint,
         )

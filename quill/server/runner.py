@@ -115,7 +115,8 @@ def serve(args, config) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the model or the port failed."""
     limits = http_limits(args)
     app = create_app(None, served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_size,
-                     limits=limits, reasoning_format=getattr(args, "reasoning_format", None))
+                     limits=limits, reasoning_format=getattr(args, "reasoning_format", None),
+                     tool_parser=getattr(args, "tool_parser", None))
     state = app.state.quill
     uv_config = uvicorn.Config(
         app,

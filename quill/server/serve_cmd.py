@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat completions: 'deepseek' moves <think>...</think> to message.reasoning_content (streamed as "
                         "delta.reasoning_content), 'none' leaves it in content; a request's reasoning_format overrides it "
                         "(default: deepseek when the model's chat template has think markers, else none)")
+    g.add_argument("--tool-parser", choices=["auto", "hermes", "llama3_json", "mistral", "generic"], default="auto",
+                   help="chat completions with `tools`: the model family's tool-call format (hermes: <tool_call>{...}</tool_call>; "
+                        "llama3_json: {\"name\", \"parameters\"} / <|python_tag|>; mistral: [TOOL_CALLS]; generic: a JSON answer "
+                        "quill describes in the system prompt, for templates without tools); default auto: from the chat template")
     c = p.add_argument_group("connections (slow or hostile clients)")
     c.add_argument("--timeout-keep-alive", type=positive_float, default=5.0, metavar="SECONDS",
                    help="close a kept-alive connection idle this long between requests (default 5)")
