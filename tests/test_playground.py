@@ -588,20 +588,7 @@ def test_tool_calls_build_from_fragments_and_results_go_back(fake_desk, shot_dir
     page.screenshot(path=str(shot_dir / "playground-phone-tool-results.png"))
 
 
-def tools_refused(url: str) -> str | None:
-    """The server's refusal of a chat request with tools (a 400 naming them unsupported), else None.
-    Any other answer goes on to the test, which then fails if no tool call comes back."""
-    body = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "The weather in Paris?"}], "tools": [WEATHER_TOOL],
-            "temperature": 0}
-    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
-    error = response.json().get("error") or {} if response.status_code == 400 else {}
-    return error.get("message") if error.get("code") == "unsupported_parameter" and error.get("param") == "tools" else None
-
-
 def test_tool_call_round_trip_through_the_server(fake_desk, fake, shot_dir):
-    refused = tools_refused(fake)
-    if refused:
-        pytest.skip(f"the server does not do OpenAI tool calling yet (request tools, streamed delta.tool_calls): {refused!r}")
     page = fake_desk.open()
     sent = capture_chat_requests(page)
     set_setting(page, "temperature", "0")

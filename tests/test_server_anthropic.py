@@ -321,21 +321,11 @@ def test_request_translation():
     assert chat_request(named).tool_choice == {"type": "function", "function": {"name": "f"}}
 
 
-def skip_without_tool_calling(call):
-    """Run `call`; skip the test when the server refuses tools (tool calling not built yet)."""
-    try:
-        return call()
-    except anthropic.BadRequestError as exc:
-        if "not supported" in exc.message and "tools" in exc.message:
-            pytest.skip(f"the server has no tool calling: {exc.message}")
-        raise
-
-
 @pytest.mark.parametrize("tool, named", [({"name": "get weather!", "input_schema": {"type": "object"}}, "tools[0].name: "),
                                          ({"name": "f", "input_schema": {"type": "array"}}, "tools[0].input_schema.type: ")])
 def test_tool_errors_name_the_fields_sent(live, tool, named):
     with pytest.raises(anthropic.BadRequestError) as raised:
-        skip_without_tool_calling(lambda: create(live, "hi", tools=[tool]))
+        create(live, "hi", tools=[tool])
     assert named in raised.value.body["error"]["message"]
 
 
@@ -344,7 +334,7 @@ def test_tool_use_round_trip(streamed):
     with fake_server(QWEN3) as server:
         ask = streamed_message if streamed else create
         question = [{"role": "user", "content": "Q-tool: weather in Paris?"}]
-        first = skip_without_tool_calling(lambda: ask(server, question[0]["content"], tools=[WEATHER]))
+        first = ask(server, question[0]["content"], tools=[WEATHER])
         assert first.stop_reason == "tool_use"
         (use,) = [b for b in first.content if b.type == "tool_use"]
         assert (use.name, use.input) == ("get_weather", {"city": "Paris"}) and use.id
@@ -376,10 +366,10 @@ def test_real_model(tmp_path):
         with client.messages.stream(model="quill-test", max_tokens=8, messages=hello, extra_body=GREEDY) as stream:
             assert "".join(stream.text_stream) == out.content[0].text  # greedy: the same text
         question = [{"role": "user", "content": "What is the weather in Paris?"}]
-        first = skip_without_tool_calling(lambda: client.messages.create(
+        first = client.messages.create(
             model="quill-test", max_tokens=64, messages=question, tools=[WEATHER],
             tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
-            extra_body=GREEDY))
+            extra_body=GREEDY)
         (use,) = [b for b in first.content if b.type == "tool_use"]
         assert first.stop_reason == "tool_use" and use.name == "get_weather" and isinstance(use.input.get("city"), str)
         history = question + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
