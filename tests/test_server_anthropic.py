@@ -19,7 +19,7 @@ from test_chat_template_families import QWEN3
 from test_server_reasoning import TEMPLATE, TemplateTokenizer
 
 MODEL = "fake-model"
-GREEDY = {"temperature": 0}  # the fake engine follows its script only when greedy (the SDK has no temperature argument)
+GREEDY = {"temperature": 0}  # sent as extra_body: the fake engine follows its script only when greedy
 WEATHER = {"name": "get_weather", "description": "Current weather for a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}
 
@@ -327,6 +327,14 @@ def test_tool_errors_name_the_fields_sent(live, tool, named):
     with pytest.raises(anthropic.BadRequestError) as raised:
         create(live, "hi", tools=[tool])
     assert named in raised.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["any", "tool"])
+def test_a_forced_tool_choice_without_tools_names_tool_choice(live, kind):
+    choice = {"type": kind, "name": "get_weather"} if kind == "tool" else {"type": kind}
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        live.client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}], tool_choice=choice)
+    assert raised.value.body["error"]["message"].startswith(f"tool_choice: type '{kind}' needs at least one tool"), raised.value.body
 
 
 @pytest.mark.parametrize("streamed", [False, True])

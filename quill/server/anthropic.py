@@ -167,7 +167,7 @@ def _tools(tools: list[dict]) -> list[dict]:
     return out
 
 
-def _tool_choice(choice: ToolChoice) -> tuple[str | dict, bool | None]:
+def _tool_choice(choice: ToolChoice, tools: list | None) -> tuple[str | dict, bool | None]:
     """(OpenAI tool_choice, parallel_tool_calls)."""
     if choice.type == "tool":
         if not choice.name:
@@ -175,6 +175,8 @@ def _tool_choice(choice: ToolChoice) -> tuple[str | dict, bool | None]:
         picked = {"type": "function", "function": {"name": choice.name}}
     else:
         picked = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice.type in ("any", "tool") and not tools:
+        raise bad_request(f"tool_choice: type {choice.type!r} needs at least one tool in tools, got none", "tool_choice")
     return picked, (False if choice.disable_parallel_tool_use else None)
 
 
@@ -189,7 +191,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     if body.tools is not None:
         fields["tools"] = _tools(body.tools)
     if body.tool_choice is not None:
-        fields["tool_choice"], parallel = _tool_choice(body.tool_choice)
+        fields["tool_choice"], parallel = _tool_choice(body.tool_choice, body.tools)
         if parallel is not None:
             fields["parallel_tool_calls"] = parallel
     if isinstance(body, MessagesRequest):
@@ -201,7 +203,9 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:  # the checks above should have caught it; still the caller's 400
-        raise bad_request(f"the request does not translate to a chat request: {exc.errors()[0]['msg']}") from exc
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise bad_request(f"the request does not translate to a chat request: {where}: {first['msg']}") from exc
 
 
 # The chat path names its own fields in errors; say the ones this request sent instead.
