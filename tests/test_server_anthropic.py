@@ -317,7 +317,8 @@ def test_request_translation():
     assert chat["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
                                                                "parameters": WEATHER["input_schema"]}}]
     assert (chat["tool_choice"], chat["parallel_tool_calls"]) == ("required", False)
-    named = CountTokensRequest.model_validate({"model": MODEL, "messages": [], "tool_choice": {"type": "tool", "name": "f"}})
+    named = CountTokensRequest.model_validate({"model": MODEL, "messages": [], "tool_choice": {"type": "tool", "name": "f"},
+                                                 "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
     assert chat_request(named).tool_choice == {"type": "function", "function": {"name": "f"}}
 
 
