@@ -3,6 +3,7 @@ added tokens (every marker is text) and one where the markers are added tokens, 
 Llama's and Mistral's tokenizers. Outputs are fed token by token through LLMatcher.consume_token;
 well-formed ones must end accepting, and wrong names, malformed or schema-breaking arguments must be
 refused. Which arguments a grammar takes is checked against jsonschema's verdict on the same schema.
+The grammars get what the server passes: each added token's id (Tokenizer.added_token_id).
 """
 
 from __future__ import annotations
@@ -37,14 +38,11 @@ def byte_tokenizer(added: tuple[str, ...], special: tuple[str, ...]):
 
 
 class Vocab:
-    """A tokenizer with its llguidance twin, and added_token callables as the server makes them."""
+    """A tokenizer with its llguidance twin, and added_token as the server passes it."""
 
     def __init__(self, added: tuple[str, ...], special: tuple[str, ...]):
         self.tokenizer, self.ll = byte_tokenizer(added, special)
         self.added = set(added) | set(special)
-
-    def is_added(self, text: str) -> bool:
-        return text in self.added
 
     def added_id(self, text: str) -> int | None:
         return self.tokenizer.token_to_id(text) if text in self.added else None
@@ -65,6 +63,7 @@ class Vocab:
 
 PLAIN = Vocab((), (EOS,))
 MARKED = Vocab(ADDED, SPECIAL)
+UNMARKED = Vocab(ADDED + SPECIAL[1:], (EOS,))  # every marker an added token, none marked special
 
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -110,20 +109,18 @@ THINKS = {None: "", "optional": "<think>\nShall I call get_weather? {maybe}\n</t
           "opened": "Hmm.\n</think>\n\n"}
 
 
-def grammar(family, vocab, mode, parallel, reasoning, ids=False, name=None):
-    added = vocab.added_id if ids else vocab.is_added
-    choice = ToolChoice(mode, name)
-    return parser_class(family).grammar(TOOLS, choice, parallel, added, reasoning)
+def grammar(family, vocab, mode, parallel, reasoning, name=None):
+    return parser_class(family).grammar(TOOLS, ToolChoice(mode, name), parallel, vocab.added_id, reasoning)
 
 
 MATRIX = list(itertools.product(WRITERS, ("auto", "required", "named"), (False, True), (None, "optional", "opened"),
-                                (PLAIN, MARKED)))
+                                (PLAIN, MARKED, UNMARKED)))
 
 
 @pytest.mark.parametrize("family, mode, parallel, reasoning, vocab", MATRIX)
 def test_grammar_matrix(family, mode, parallel, reasoning, vocab):
     name = "get_weather" if mode == "named" else None
-    text = grammar(family, vocab, mode, parallel, reasoning, ids=True, name=name)
+    text = grammar(family, vocab, mode, parallel, reasoning, name=name)
     matcher = vocab.matcher(text)
     write = WRITERS[family]
     think = THINKS[reasoning]
@@ -151,10 +148,10 @@ def test_grammar_matrix(family, mode, parallel, reasoning, vocab):
 
 
 @pytest.mark.parametrize("family", WRITERS)
-@pytest.mark.parametrize("vocab", [PLAIN, MARKED])
+@pytest.mark.parametrize("vocab", [PLAIN, MARKED, UNMARKED])
 def test_arguments_follow_the_schema_as_jsonschema_does(family, vocab):
     for mode in ("auto", "required"):
-        matcher = vocab.matcher(grammar(family, vocab, mode, True, None, ids=True))
+        matcher = vocab.matcher(grammar(family, vocab, mode, True, None))
         for args in GOOD_ARGS + BAD_ARGS:
             try:
                 jsonschema.validate(json.loads(args), WEATHER_PARAMETERS)
@@ -165,38 +162,46 @@ def test_arguments_follow_the_schema_as_jsonschema_does(family, vocab):
             assert vocab.accepts(matcher, output) is valid, (mode, args)
 
 
-def test_unconstrained_cases():
-    assert grammar("hermes", MARKED, "none", True, None) is None
-    assert parser_class("hermes").grammar([], ToolChoice("auto"), True, MARKED.is_added, None) is None
-    # Mistral's [TOOL_CALLS] is special to llguidance and not <...>: nameable only by id.
-    assert grammar("mistral", MARKED, "auto", True, None) is None
-    assert grammar("mistral", MARKED, "auto", True, None, ids=True) is not None
-    assert grammar("mistral", PLAIN, "required", False, None) is not None
+WRITTEN = {"hermes": ("<tool_call>", "</tool_call>"), "llama3_json": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",),
+           "generic": ()}
+
+
+def test_markers_that_are_added_tokens_are_written_by_id():
+    """Every marker that is an added token, special or not, whatever its name ([TOOL_CALLS] is
+    not <...>), is written <[id]>, so a required or named request always keeps its grammar."""
+    for family, mode, vocab in itertools.product(WRITERS, ("auto", "required", "named"), (PLAIN, MARKED, UNMARKED)):
+        text = grammar(family, vocab, mode, True, "optional", name="get_time" if mode == "named" else None)
+        for marker in WRITTEN[family] + ("<think>", "</think>"):
+            token_id = vocab.added_id(marker)
+            spelled = json.dumps(marker) if token_id is None else f"<[{token_id}]>"
+            assert spelled in text and (token_id is None or json.dumps(marker) not in text), (marker, text)
     with pytest.raises(ValueError, match="reasoning must be"):
         grammar("hermes", PLAIN, "auto", True, "always")
 
 
 def test_llguidance_marker_facts():
     """What the grammars rely on, measured on llguidance: an added <...> token is special even when
-    not marked special, so a quoted "<tool_call>" never matches it; an added [TOOL_CALLS] is special
-    only when marked so, and then reachable only as <[id]>."""
+    not marked special, and an added [TOOL_CALLS] when marked so; a quoted marker never matches a
+    special token, while <[id]> matches any added token, special or not."""
     tool_call = MARKED.tokenizer.token_to_id("<tool_call>")
     tool_calls = MARKED.tokenizer.token_to_id("[TOOL_CALLS]")
     assert MARKED.ll.is_special_token(tool_call) and MARKED.ll.is_special_token(tool_calls)
     assert not MARKED.accepts(MARKED.matcher('start: "a" "<tool_call>"'), "a<tool_call>")
-    assert MARKED.accepts(MARKED.matcher("start: \"a\" <tool_call>"), "a<tool_call>")
+    assert MARKED.accepts(MARKED.matcher(f'start: "a" <[{tool_call}]>'), "a<tool_call>")
     assert not MARKED.accepts(MARKED.matcher('start: "a" "[TOOL_CALLS]"'), "a[TOOL_CALLS]")
     assert MARKED.accepts(MARKED.matcher(f'start: "a" <[{tool_calls}]>'), "a[TOOL_CALLS]")
-    assert llguidance.LLMatcher(MARKED.ll, 'start: "a" <[TOOL_CALLS]>', log_level=0).is_error()
-    plain_added = Vocab(("[TOOL_CALLS]",), (EOS,))
-    assert plain_added.accepts(plain_added.matcher('start: "a" "[TOOL_CALLS]"'), "a[TOOL_CALLS]")
+    unmarked = UNMARKED.tokenizer.token_to_id("[TOOL_CALLS]")
+    assert not UNMARKED.ll.is_special_token(unmarked)
+    assert UNMARKED.accepts(UNMARKED.matcher(f'start: "a" <[{unmarked}]>'), "a[TOOL_CALLS]")
 
 
-def test_free_text_cannot_spell_a_special_marker():
-    """With <tool_call> a token, the same characters spelled as text would be a call the grammar
+@pytest.mark.parametrize("family, vocab", [("hermes", MARKED), ("mistral", MARKED), ("mistral", UNMARKED)])
+def test_free_text_cannot_spell_a_marker_token(family, vocab):
+    """With the marker a token, the same characters spelled as text would be a call the grammar
     never checked: free text may not hold them."""
-    matcher = MARKED.matcher(grammar("hermes", MARKED, "auto", True, None)).deep_copy()
-    spelled = [MARKED.tokenizer.token_to_id(char) for char in "Hi<tool_call>"]
+    marker = WRITTEN[family][0]
+    matcher = vocab.matcher(grammar(family, vocab, "auto", True, None)).deep_copy()
+    spelled = [vocab.tokenizer.token_to_id(char) for char in "Hi" + marker]
     assert all(matcher.consume_token(token) for token in spelled[:-1])
     assert not matcher.consume_token(spelled[-1])
 
@@ -206,7 +211,7 @@ def test_json_options_lenient_and_bounded_whitespace():
         "type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}])
     strict = llguidance.LLMatcher(PLAIN.ll, 'start: %json {"type": "string", "format": "no-such-format"}', log_level=0)
     assert strict.is_error() and "no-such-format" in strict.get_error()  # without lenient it fails
-    text = parser_class("hermes").grammar(odd, ToolChoice("required"), False, PLAIN.is_added, None)
+    text = parser_class("hermes").grammar(odd, ToolChoice("required"), False, PLAIN.added_id, None)
     matcher = PLAIN.matcher(text)
     assert PLAIN.accepts(matcher, '<tool_call>\n{"name": "f", "arguments": {"a": "x"}}\n</tool_call>')
     # quill's DEFAULT_JSON_WHITESPACE: up to two spaces, or one newline and indentation.
@@ -216,7 +221,7 @@ def test_json_options_lenient_and_bounded_whitespace():
 
 
 def test_auto_without_parallel_allows_one_call_only():
-    for vocab in (PLAIN, MARKED):
+    for vocab in (PLAIN, MARKED, UNMARKED):
         matcher = vocab.matcher(grammar("hermes", vocab, "auto", False, None))
         one = hermes(ONE, text="Checking. ", tail=" Done.")
         assert vocab.accepts(matcher, one)
@@ -228,7 +233,7 @@ def test_auto_without_parallel_allows_one_call_only():
 
 
 def test_llama3_auto_text_must_not_begin_like_a_call():
-    for vocab in (PLAIN, MARKED):
+    for vocab in (PLAIN, MARKED, UNMARKED):
         matcher = vocab.matcher(grammar("llama3_json", vocab, "auto", True, None))
         assert vocab.accepts(matcher, '\n {"name": "get_time", "parameters": {}}')
         assert vocab.accepts(matcher, '<|python_tag|>{"name": "get_time", "parameters": {}}')
@@ -254,9 +259,9 @@ AGREED = {
 
 
 @pytest.mark.parametrize("family", WRITERS)
-@pytest.mark.parametrize("vocab", [PLAIN, MARKED])
+@pytest.mark.parametrize("vocab", [PLAIN, MARKED, UNMARKED])
 def test_grammar_and_parser_agree(family, vocab):
-    matcher = vocab.matcher(grammar(family, vocab, "auto", True, None, ids=True))
+    matcher = vocab.matcher(grammar(family, vocab, "auto", True, None))
     for output in AGREED[family]:
         assert vocab.accepts(matcher, output), output
         parser = parser_class(family)(TOOLS)

@@ -1,5 +1,6 @@
-"""quill.tools: request checks, the family registry, the generic family's prompt, and the streaming
-parsers on outputs written the way each family's models write them.
+"""quill.tools: request checks, the family registry, the history every chat request's template gets
+(template_history), the generic family's prompt, and the streaming parsers on outputs written the
+way each family's models write them.
 
 Every recorded output is fed whole, one character at a time, split in two at every place, and in
 random chunks (hypothesis): the content and the calls must always be those of one whole feed, and
@@ -26,6 +27,7 @@ from quill.tools import (
     check_tools,
     detect_parser,
     parser_class,
+    template_history,
     template_renders_tools,
 )
 from quill.tools.generic import FORMAT_PROMPT
@@ -141,57 +143,93 @@ def test_parser_class_names():
         parser_class("qwen")
 
 
-# --- the generic family's messages ---
+# --- the history, and the generic family's messages ---
 
 HISTORY = [
     {"role": "user", "content": "Weather in Paris and the time?"},
     {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
-    {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "14:05"}]},
+    {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
     {"role": "user", "content": "Thanks. And in Rome?"},
-]
+]  # as a client sends it back: arguments as JSON text, content as text (the server joins parts)
+SYSTEM = {"role": "system", "content": "Be brief."}
 
 
-def test_generic_prepare_messages_renders_through_an_alternating_template():
-    generic = parser_class("generic")
-    messages = generic.prepare_messages(HISTORY, TOOLS, template_renders_tools=False)
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
-    system = messages[0]["content"]
-    assert system.endswith(FORMAT_PROMPT)
-    listed = json.loads(system.split("\n")[1])
-    assert listed == [{"name": "get_weather", "description": "Current weather in a city.",
-                       "parameters": WEATHER["function"]["parameters"]},
-                      {"name": "get_time", "parameters": {"type": "object", "properties": {}}}]
-    assert json.loads(messages[2]["content"]) == {"tool_calls": [
+def test_template_history_parses_arguments_for_every_family():
+    for name in ("hermes", "llama3_json", "mistral"):
+        history = template_history(HISTORY, None, name)
+        assert history[1]["tool_calls"][0] == {"id": "call_1", "type": "function",
+                                               "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        assert history[1]["tool_calls"][1]["function"]["arguments"] == {}
+        assert history[:1] + history[2:] == HISTORY[:1] + HISTORY[2:]
+        # the families whose template renders calls and results keep the rest as it is
+        assert parser_class(name).prepare_history(history) is history
+        assert parser_class(name).prepare_messages(history, TOOLS, True) is history
+    assert template_history(HISTORY, QWEN_LIKE) == template_history(HISTORY, None, "hermes")
+    assert HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # input untouched
+    plain = [SYSTEM, HISTORY[0]]
+    assert template_history(plain, CHATML) is plain  # nothing of tools: nothing to do
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ("{not json", "is not valid JSON (Expecting property name"),
+    ('["Paris"]', "must be a JSON object, got list"),
+    (None, "must be a JSON object, got NoneType"),
+])
+def test_template_history_names_a_bad_call(arguments, message):
+    bad = {"role": "assistant", "tool_calls": [HISTORY[1]["tool_calls"][0],
+                                               {"id": "c", "function": {"name": "get_time", "arguments": arguments}}]}
+    with pytest.raises(ToolError, match=re.escape(message)) as info:
+        template_history([HISTORY[0], bad], CHATML)
+    assert info.value.param == "messages[1].tool_calls[1].function.arguments"
+    with pytest.raises(ToolError) as info:
+        template_history([HISTORY[0], {"role": "assistant", "tool_calls": [{"id": "c"}]}], CHATML)
+    assert info.value.param == "messages[1].tool_calls[0].function"
+    assert str(info.value) == "messages[1].tool_calls[0].function: must be an object, got NoneType"
+
+
+def test_generic_history_renders_through_an_alternating_template_without_tools():
+    """A later turn with tool_choice "none", or without `tools`: the calls and results still show."""
+    messages = template_history(HISTORY, CHATML)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert json.loads(messages[1]["content"]) == {"tool_calls": [
         {"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call_1"},
         {"name": "get_time", "arguments": {}, "id": "call_2"}]}
-    results, question = messages[3]["content"].rsplit("\n", 1)
+    results, question = messages[2]["content"].rsplit("\n", 1)
     first, second = (json.loads(line) for line in results.split("\n"))
     assert first == {"tool_response": {"tool": "get_weather", "tool_call_id": "call_1", "content": "18 C, sunny"}}
     assert second == {"tool_response": {"tool": "get_time", "tool_call_id": "call_2", "content": "14:05"}}
     assert question == "Thanks. And in Rome?"
     prompt = render_chat_template(CHATML, messages)
-    assert prompt.startswith("<|im_start|>system\nYou can use these tools:\n")
+    assert '<|im_start|>assistant\n{"tool_calls": [{"name": "get_weather"' in prompt
+    generic = parser_class("generic")
+    assert generic.prepare_history(messages) == messages  # applying it again changes nothing
+    assert template_history(HISTORY, QWEN_LIKE, "generic") == messages  # --tool-parser decides
     with pytest.raises(Exception, match="roles must alternate"):
         render_chat_template(CHATML, [*HISTORY[:1], {"role": "user", "content": "again"}])
-    assert HISTORY[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # input untouched
 
 
-def test_generic_prepare_messages_system_message():
+def test_generic_prepare_messages_describes_the_tools():
     generic = parser_class("generic")
-    system = {"role": "system", "content": "Be brief."}
-    first = generic.prepare_messages([system, HISTORY[0]], TOOLS, template_renders_tools=False)[0]
-    assert first["content"].startswith("Be brief.\n\nYou can use these tools:\n")
-    # A template that renders `tools` itself gets only the answer format.
-    first = generic.prepare_messages([system, HISTORY[0]], TOOLS, template_renders_tools=True)[0]
+    history = template_history([SYSTEM, *HISTORY], CHATML)
+    messages = generic.prepare_messages(history, TOOLS, template_renders_tools=False)
+    assert messages[1:] == history[1:]  # the history is template_history's
+    system = messages[0]["content"]
+    assert system.startswith("Be brief.\n\nYou can use these tools:\n") and system.endswith(FORMAT_PROMPT)
+    listed = json.loads(system.split("\n")[3])
+    assert listed == [{"name": "get_weather", "description": "Current weather in a city.",
+                       "parameters": WEATHER["function"]["parameters"]},
+                      {"name": "get_time", "parameters": {"type": "object", "properties": {}}}]
+    prompt = render_chat_template(CHATML, messages)
+    assert prompt.startswith("<|im_start|>system\nBe brief.\n\nYou can use these tools:\n")
+    # Without a system message, one is added; a template that renders `tools` gets only the format.
+    first = generic.prepare_messages(HISTORY[:1], TOOLS, template_renders_tools=False)[0]
+    assert first["role"] == "system" and first["content"].startswith("You can use these tools:\n")
+    first = generic.prepare_messages([SYSTEM, HISTORY[0]], TOOLS, template_renders_tools=True)[0]
     assert first == {"role": "system", "content": "Be brief.\n\n" + FORMAT_PROMPT}
-    parts = {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
-    assert generic.prepare_messages([parts], TOOLS, True)[0]["content"] == "Be brief.\n\n" + FORMAT_PROMPT
-    # The other families leave messages to their own templates.
-    for name in ("hermes", "llama3_json", "mistral"):
-        assert parser_class(name).prepare_messages(HISTORY, TOOLS, True) is HISTORY
+    assert SYSTEM == {"role": "system", "content": "Be brief."}  # input untouched
 
 
 # --- recorded outputs: (text, content, [(name, arguments)]) ---

@@ -1,7 +1,9 @@
 """Tool calls for models whose chat template knows nothing of tools (the default SmolLM2's plain
 ChatML): quill describes the tools in the system message, and the model answers with one JSON
 object, {"tool_calls": [{"name": "f", "arguments": {...}}, ...]} or {"response": "text"}, which the
-grammar always enforces (there is no marker to wait for).
+grammar always enforces (there is no marker to wait for). Past calls and results are rewritten
+into that format's text on every request (prepare_history), so a later turn without tools still
+shows them.
 
 The approach is llama.cpp's generic chat handler (common/chat.cpp: common_chat_params_init_generic,
 common_chat_parse_generic: a JSON schema of "tool_calls" or "response", and a system message asking
@@ -13,22 +15,16 @@ minja's polyfills show calls and results to such templates: an assistant's calls
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
+import re
 
-from quill.tools.base import (
-    GrammarBody,
-    ToolCall,
-    ToolParser,
-    ToolSpec,
-    array_items,
-    call_schema,
-    lark_json,
-    object_members,
-    skip_ws,
-)
+from quill.tools.base import ToolCall, ToolParser, ToolSpec
+from quill.tools.lark import AddedToken, GrammarBody, call_schema, lark_json
+from quill.tools.scan import array_item_starts, object_members, skip_ws
 
 _KEYS = ("response", "tool_calls", "tool_call")
+# How an output begins, as far as it goes: {"<key>": and, for a response, its string's opening quote.
+_HEAD = re.compile(r'[ \t\n\r]*(?:\{[ \t\n\r]*(?:"(?P<key>[^"]*)'
+                   r'(?P<closed>"[ \t\n\r]*(?P<colon>:[ \t\n\r]*(?P<quote>"?))?)?)?)?')
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 FORMAT_PROMPT = (
     "Answer with one JSON object and nothing else. To call tools: "
@@ -99,29 +95,17 @@ class GenericParser(ToolParser):
         return "".join(out)
 
     def _parse_calls(self, text: str) -> list[ToolCall] | None:
-        start = skip_ws(text, 0)
-        parsed = object_members(text, start)
+        parsed = object_members(text, skip_ws(text, 0))
         if parsed is None or skip_ws(text, parsed[1]) != len(text) or len(parsed[0]) != 1:
             return None
-        (key, (value, value_start, _)), = parsed[0].items()
+        (key, (_, value_start, _)), = parsed[0].items()
         if key == "tool_call":
-            spans = [value_start]
-        elif key == "tool_calls" and isinstance(value, list) and value:
-            spans = _item_starts(text, value_start)
-        else:
-            return None
-        calls = []
-        for item_start in spans:
-            members = object_members(text, item_start)
-            call = members and self.make_call(members[0], text)
-            if not call:
-                return None
-            calls.append(call)
-        return calls
+            return self.calls_at(text, [value_start])
+        return self.calls_at(text, array_item_starts(text, value_start)) if key == "tool_calls" else None
 
     @classmethod
     def _grammar_body(cls, tools: list[ToolSpec], required: bool, parallel: bool,
-                      added_token: Callable[[str], Any], lead: str) -> GrammarBody:
+                      added_token: AddedToken, lead: str) -> GrammarBody:
         items = {"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1,
                  **({} if parallel else {"maxItems": 1})}
         calls = _object({"tool_calls": items})
@@ -129,14 +113,11 @@ class GenericParser(ToolParser):
         return GrammarBody(lark_json(schema))
 
     @classmethod
-    def prepare_messages(cls, messages: list[dict], tools: list[ToolSpec], template_renders_tools: bool) -> list[dict]:
-        """The tools and the answer format in the first system message (the tools only when the
-        template does not render them itself), and past calls and results as that format's text."""
-        listed = [{"name": spec.name, **({"description": spec.description} if spec.description else {}),
-                   "parameters": spec.parameters} for spec in tools]
-        prompt = FORMAT_PROMPT
-        if not template_renders_tools:
-            prompt = "You can use these tools:\n" + json.dumps(listed, ensure_ascii=False) + "\n\n" + prompt
+    def prepare_history(cls, messages: list[dict]) -> list[dict]:
+        """Past calls and results as this format's text, in roles a plain template alternates:
+        an assistant's calls as {"tool_calls": [...]} content (any text it wrote with them goes:
+        the format has no room for it), each result as a user message {"tool_response": {...}},
+        joined by "\\n" with the user messages next to it. Applying it twice changes nothing."""
         out: list[dict] = []
         names: dict[str, str] = {}  # tool_call_id -> function name
         for message in messages:
@@ -145,17 +126,27 @@ class GenericParser(ToolParser):
                 message = {"role": "assistant", "content": _calls_text(message["tool_calls"], names)}
             elif role == "tool":
                 message = {"role": "user", "content": _result_text(message, names)}
-            if message.get("role") == "user" and out and out[-1].get("role") == "user":
-                merged = _merge(out[-1], message)
-                if merged is not None:
-                    out[-1] = merged
-                    continue
-            out.append(message)
-        if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": _append(out[0].get("content"), prompt)}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
+            merged = _merge(out[-1], message) if out else None
+            if merged is not None:
+                out[-1] = merged
+            else:
+                out.append(message)
         return out
+
+    @classmethod
+    def prepare_messages(cls, messages: list[dict], tools: list[ToolSpec], template_renders_tools: bool) -> list[dict]:
+        """The tools and the answer format at the end of the first system message (the tools
+        only when the template does not render them itself); the history is prepare_history's
+        already (the server applies template_history to every chat request first)."""
+        prompt = FORMAT_PROMPT
+        if not template_renders_tools:
+            listed = [{"name": spec.name, **({"description": spec.description} if spec.description else {}),
+                       "parameters": spec.parameters} for spec in tools]
+            prompt = "You can use these tools:\n" + json.dumps(listed, ensure_ascii=False) + "\n\n" + prompt
+        if messages and messages[0].get("role") == "system":
+            system = messages[0].get("content")
+            return [{**messages[0], "content": f"{system}\n\n{prompt}" if system else prompt}, *messages[1:]]
+        return [{"role": "system", "content": prompt}, *messages]
 
 
 def _object(properties: dict) -> dict:
@@ -164,34 +155,16 @@ def _object(properties: dict) -> dict:
 
 def _head(text: str) -> tuple[str, int]:
     """Where a whole output stands from its start: ("response", index after the string's
-    opening quote), ("calls", 0), ("start", 0) while undecided, or ("raw", 0)."""
-    index = skip_ws(text, 0)
-    if index == len(text):
-        return "start", 0
-    if text[index] != "{":
-        return "raw", 0
-    index = skip_ws(text, index + 1)
-    if index == len(text):
-        return "start", 0
-    if text[index] != '"':
-        return "raw", 0
-    close = text.find('"', index + 1)
-    key = text[index + 1:close if close >= 0 else len(text)]
-    if close < 0:
-        return ("start", 0) if any(k.startswith(key) for k in _KEYS) else ("raw", 0)
-    if key not in _KEYS:
-        return "raw", 0
-    index = skip_ws(text, close + 1)
-    if index == len(text):
-        return "start", 0
-    if text[index] != ":":
-        return "raw", 0
-    if key != "response":
-        return "calls", 0
-    index = skip_ws(text, index + 1)
-    if index == len(text):
-        return "start", 0
-    return ("response", index + 1) if text[index] == '"' else ("raw", 0)
+    opening quote), ("calls", 0), ("raw", 0) when it can be neither, ("start", 0) while undecided."""
+    head = _HEAD.match(text)
+    key = head["key"]
+    if head["colon"] and key in _KEYS:
+        if key != "response":
+            return "calls", 0
+        if head["quote"]:
+            return "response", head.end()
+    possible = key is None or (key in _KEYS if head["closed"] else any(k.startswith(key) for k in _KEYS))
+    return ("start", 0) if possible and head.end() == len(text) else ("raw", 0)
 
 
 def _escape(text: str, index: int) -> tuple[str, int] | str | None:
@@ -231,22 +204,11 @@ def _hex4(text: str, index: int) -> int | None:
     return int(digits, 16) if len(digits) == 4 else None
 
 
-def _item_starts(text: str, start: int) -> list[int]:
-    items = array_items(text, start)
-    return [item_start for item_start, _ in items[0]] if items else []
-
-
-def _calls_text(tool_calls: list, names: dict[str, str]) -> str:
+def _calls_text(tool_calls: list[dict], names: dict[str, str]) -> str:
     calls = []
     for call in tool_calls:
-        function = call.get("function") or {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass
-        calls.append({"name": function.get("name"), "arguments": arguments, "id": call.get("id")})
+        function = call["function"]
+        calls.append({"name": function.get("name"), "arguments": function["arguments"], "id": call.get("id")})
         if call.get("id") is not None:
             names[call["id"]] = function.get("name")
     return json.dumps({"tool_calls": calls}, ensure_ascii=False)
@@ -255,36 +217,15 @@ def _calls_text(tool_calls: list, names: dict[str, str]) -> str:
 def _result_text(message: dict, names: dict[str, str]) -> str:
     call_id = message.get("tool_call_id")
     response = {"tool": message.get("name") or names.get(call_id), "tool_call_id": call_id,
-                "content": _text(message.get("content"))}
+                "content": message.get("content")}
     return json.dumps({"tool_response": response}, ensure_ascii=False)
 
 
-def _text(content) -> Any:
-    """A message's content as one string when it is text parts; other values as they are."""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    return content
-
-
-def _join(first, second: str, separator: str):
-    first = _text(first)
-    if first is None or first == "":
-        return second
-    return first + separator + second if isinstance(first, str) else None
-
-
-def _append(content, text: str):
-    """A system message's content with text added: after a blank line, or as one more part."""
-    joined = _join(content, text, "\n\n")
-    if joined is None and isinstance(content, list):
-        return [*content, {"type": "text", "text": text}]
-    return joined if joined is not None else text
-
-
 def _merge(previous: dict, message: dict) -> dict | None:
-    """Two user messages as one (content joined by "\\n"), or None when one is not text."""
-    second = _text(message.get("content"))
-    if not isinstance(second, str):
+    """Two user messages as one, their text joined by "\\n"; None for any other pair."""
+    if previous.get("role") != "user" or message.get("role") != "user":
         return None
-    content = _join(previous.get("content"), second, "\n")
-    return None if content is None else {**previous, "content": content}
+    first, second = previous.get("content"), message.get("content")
+    if not (isinstance(first, str) and isinstance(second, str)):
+        return None  # content that is not text (LLM.chat takes any): left to the template
+    return {**previous, "content": f"{first}\n{second}" if first else second}

@@ -10,19 +10,9 @@ tags are added tokens (151657 and 151658 in Qwen2.5's tokenizer.json), not marke
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-from quill.tools.base import (
-    GrammarBody,
-    MarkedCallParser,
-    ToolCall,
-    ToolSpec,
-    call_schema,
-    lark_json,
-    lark_token,
-    marked_calls,
-)
+from quill.tools.base import ToolCall, ToolSpec
+from quill.tools.lark import AddedToken, GrammarBody, call_schema, lark_json, lark_token, marked_calls
+from quill.tools.marked import MarkedCallParser
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -45,7 +35,7 @@ class HermesParser(MarkedCallParser):
 
     @classmethod
     def _grammar_body(cls, tools: list[ToolSpec], required: bool, parallel: bool,
-                      added_token: Callable[[str], Any], lead: str) -> GrammarBody:
+                      added_token: AddedToken, lead: str) -> GrammarBody:
         closer = lark_token(CLOSE, added_token)
         call = f'"\\n" {lark_json(call_schema(tools, "arguments"))} "\\n" {closer}'
         return marked_calls(OPEN, call, required, parallel, added_token, separator='"\\n"', lead=lead)

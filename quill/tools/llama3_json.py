@@ -11,22 +11,9 @@ call is one, and then all of it must be calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-from quill.tools.base import (
-    FREE_TEXT,
-    GrammarBody,
-    ToolCall,
-    ToolParser,
-    ToolSpec,
-    call_schema,
-    lark_json,
-    lark_token,
-    object_members,
-    regex_text,
-    skip_ws,
-)
+from quill.tools.base import ToolCall, ToolParser, ToolSpec
+from quill.tools.lark import FREE_TEXT, AddedToken, GrammarBody, call_schema, lark_json, lark_token, regex_text
+from quill.tools.scan import skip_ws, value_starts
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -59,23 +46,11 @@ class Llama3JsonParser(ToolParser):
         index = skip_ws(text, 0)
         if text.startswith(PYTHON_TAG, index):
             index = skip_ws(text, index + len(PYTHON_TAG))
-        calls = []
-        while True:
-            parsed = object_members(text, index)
-            call = parsed and self.make_call(parsed[0], text)
-            if not call:
-                return None
-            calls.append(call)
-            index = skip_ws(text, parsed[1])
-            if index == len(text):
-                return calls
-            if text[index] != ";":
-                return None
-            index = skip_ws(text, index + 1)
+        return self.calls_at(text, value_starts(text, index, ";", None))
 
     @classmethod
     def _grammar_body(cls, tools: list[ToolSpec], required: bool, parallel: bool,
-                      added_token: Callable[[str], Any], lead: str) -> GrammarBody:
+                      added_token: AddedToken, lead: str) -> GrammarBody:
         tag = lark_token(PYTHON_TAG, added_token)
         call = lark_json(call_schema(tools, "parameters"))
         calls = f"{tag}? {call}" + (f" (/; ?/ {call})*" if parallel else "")

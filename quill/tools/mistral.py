@@ -9,7 +9,7 @@
 
 Both parse; the grammar writes the list form, which llama.cpp's Mistral Nemo handler constrains
 too. In Mistral's tokenizers [TOOL_CALLS] is a special token not written <...>, which llguidance
-names only by id (see base.lark_token): without one, the grammar is None.
+names only by id (the grammar writes every added-token marker by id: see lark.py).
 """
 
 from __future__ import annotations
@@ -17,22 +17,10 @@ from __future__ import annotations
 import re
 import secrets
 import string
-from collections.abc import Callable
-from typing import Any
-
-from quill.tools.base import (
-    GrammarBody,
-    JsonEnd,
-    MarkedCallParser,
-    ToolCall,
-    ToolSpec,
-    array_items,
-    call_schema,
-    lark_json,
-    marked_calls,
-    object_members,
-    skip_ws,
-)
+from quill.tools.base import ToolCall, ToolSpec
+from quill.tools.lark import AddedToken, GrammarBody, call_schema, lark_json, marked_calls
+from quill.tools.marked import MarkedCallParser
+from quill.tools.scan import JsonEnd, array_item_starts, object_members, skip_ws
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -92,19 +80,11 @@ class MistralParser(MarkedCallParser):
         end = self._json.end(text)
         if end is None:
             return None
-        items = array_items(text, start)
-        calls = []
-        for item_start, _ in items[0] if items else ():
-            parsed = object_members(text, item_start)
-            call = parsed and self.make_call(parsed[0], text)
-            if not call:
-                return end, None
-            calls.append(call)
-        return end, calls or None
+        return end, self.calls_at(text, array_item_starts(text, start))
 
     @classmethod
     def _grammar_body(cls, tools: list[ToolSpec], required: bool, parallel: bool,
-                      added_token: Callable[[str], Any], lead: str) -> GrammarBody:
+                      added_token: AddedToken, lead: str) -> GrammarBody:
         item = call_schema(tools, "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
         calls = {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1})}
         # One block holds every call, so auto allows one marker whether parallel or not.
