@@ -89,8 +89,16 @@ class LLM:
         *,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or `chat_template`) to each conversation, then generate.
+
+        `tools` (OpenAI's function list) and past tool calls and results are shown to the model as
+        the server shows them (quill.tools.tool_prompt, template_history): as the template's `tools`
+        variable where it reads one, else described in a system message (the generic format). The
+        output text is the model's own, calls included and unconstrained: read them with
+        parser_class(detect_parser(llm.tokenizer.chat_template))(check_tools(tools)), or use the
+        server, which also constrains and parses them.
 
         `chat_template_kwargs` are extra template variables, as in vLLM and transformers'
         apply_chat_template(**kwargs): e.g. {"enable_thinking": False} for Qwen3 / SmolLM3,
@@ -100,7 +108,14 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template_kwargs = self._template_kwargs(chat_template, chat_template_kwargs)
-        encoded = [self._chat_ids(conv, add_generation_prompt, **template_kwargs) for conv in conversations]
+        from quill.tools import template_history, tool_prompt
+
+        template = chat_template or self.tokenizer.chat_template
+        encoded = []
+        for conv in conversations:  # history and tools shown as the server shows them (a ToolError names a bad entry)
+            conv = template_history(conv, template)
+            conv, extra = tool_prompt(conv, tools, template) if tools else (conv, {})
+            encoded.append(self._chat_ids(conv, add_generation_prompt, **template_kwargs, **extra))
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(encoded)
         return self._run(encoded, params_list)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -57,25 +56,13 @@ def template_messages(messages) -> list[dict]:
             if message.role != "assistant":
                 raise bad_request(f"messages[{i}].tool_calls: only assistant messages carry tool calls, this one is {message.role!r}",
                                   "messages")
-            item["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
+            item["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]  # see chat_prompt
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
         if message.reasoning_content is not None:
             item["reasoning_content"] = message.reasoning_content
         out.append(item)
     return out
-
-
-def _template_call(call, where: str) -> dict:
-    """One assistant tool call as transformers' templates read it: arguments as an object
-    (vLLM and llama-server parse them too; templates write them with tojson)."""
-    try:
-        arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"{where}.function.arguments: is not valid JSON ({exc})", "messages") from exc
-    if not isinstance(arguments, dict):
-        raise bad_request(f"{where}.function.arguments: must be a JSON object, got {type(arguments).__name__}", "messages")
-    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def template_kwargs(body) -> dict:
@@ -199,10 +186,16 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state,
 def chat_prompt(state, engine, body: ChatCompletionRequest) -> tuple[list[int], object]:
     """(prompt ids, tool plan or None) as chat_completions renders them, tools included (blocking:
     call it off the event loop). /v1/messages/count_tokens counts these."""
+    from quill.tools import ToolError, template_history
+
     tools = plan_tools(state, engine, body)
     messages, kwargs = template_messages(body.messages), template_kwargs(body)
+    try:  # past calls' arguments as objects, and history in the family's own terms where its template has none
+        messages = template_history(messages, getattr(engine.tokenizer, "chat_template", None), state.tool_parser)
+    except ToolError as exc:
+        raise bad_request(str(exc), exc.param) from exc
     if tools is not None:
-        messages, extra = tools.template_inputs(messages)
+        messages, extra = tools.template_inputs(messages, getattr(engine.tokenizer, "chat_template", None))
         kwargs = {**kwargs, **extra}
     return encode_chat(engine, messages, kwargs), tools
 

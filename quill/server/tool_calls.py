@@ -17,13 +17,13 @@ class ToolPlan:
     tools: list  # [ToolSpec]
     choice: object  # ToolChoice
     parallel: bool
-    renders_tools: bool  # the chat template reads `tools` (else the parser describes them itself)
     request_tools: list[dict]  # the request's own tools, as the template gets them
 
-    def template_inputs(self, messages: list[dict]) -> tuple[list[dict], dict]:
-        """(messages, extra template variables) for the chat template."""
-        messages = self.parser_cls.prepare_messages(messages, self.tools, self.renders_tools)
-        return messages, ({"tools": self.request_tools} if self.renders_tools else {})
+    def template_inputs(self, messages: list[dict], chat_template: str | None) -> tuple[list[dict], dict]:
+        """(messages, extra template variables) for the chat template (quill.tools.tool_prompt)."""
+        from quill.tools import tool_prompt
+
+        return tool_prompt(messages, self.request_tools, chat_template, self.parser_cls.name)
 
     def grammar(self, tokenizer, reasoning_opened: bool | None) -> str | None:
         """The llguidance grammar the output must follow (None: unconstrained).
@@ -47,7 +47,7 @@ def plan_tools(state, engine, body) -> ToolPlan | None:
     tool_choice is a 400 naming the exact field."""
     if body.tools is None and body.tool_choice is None:
         return None
-    from quill.tools import ToolError, check_tool_choice, check_tools, detect_parser, parser_class, template_renders_tools
+    from quill.tools import ToolError, check_tool_choice, check_tools, detect_parser, parser_class
 
     try:
         tools = check_tools(body.tools or [])
@@ -58,8 +58,7 @@ def plan_tools(state, engine, body) -> ToolPlan | None:
         return None
     template = getattr(engine.tokenizer, "chat_template", None)
     name = state.tool_parser or detect_parser(template)
-    return ToolPlan(parser_class(name), tools, choice, body.parallel_tool_calls is not False,
-                    template_renders_tools(template), list(body.tools))
+    return ToolPlan(parser_class(name), tools, choice, body.parallel_tool_calls is not False, list(body.tools))
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:

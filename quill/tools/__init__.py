@@ -32,7 +32,7 @@ from quill.tools.mistral import MistralParser
 __all__ = [
     "MAX_TOOLS", "PARSER_NAMES", "GenericParser", "HermesParser", "Llama3JsonParser", "MistralParser",
     "ToolCall", "ToolChoice", "ToolError", "ToolParser", "ToolSpec", "check_tool_choice", "check_tools",
-    "detect_parser", "parser_class", "template_history", "template_renders_tools",
+    "detect_parser", "parser_class", "template_history", "template_renders_tools", "tool_prompt",
 ]
 
 _PARSERS: dict[str, type[ToolParser]] = {
@@ -118,3 +118,15 @@ def _object_arguments(tool_calls, where: str) -> list[dict]:
             raise ToolError(place, f"must be a JSON object, got {type(arguments).__name__}")
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
+
+
+def tool_prompt(messages: list[dict], tools: list[dict], chat_template: str | None,
+                parser_name: str | None = None) -> tuple[list[dict], dict]:
+    """(messages, extra template variables) that show the request's `tools` (OpenAI's list, as
+    sent) to the model, the same for the server and LLM.chat: a template that reads `tools` gets
+    them as a variable; otherwise the family (parser_name, else detect_parser) describes them in
+    the messages (the generic family's system message). Run template_history first."""
+    renders = template_renders_tools(chat_template)
+    family = parser_class(parser_name or detect_parser(chat_template))
+    messages = family.prepare_messages(messages, check_tools(tools), renders)
+    return messages, ({"tools": tools} if renders else {})
