@@ -25,8 +25,8 @@ class ToolPlan:
 
         return tool_prompt(messages, self.request_tools, chat_template, self.parser_cls.name)
 
-    def grammar(self, tokenizer, reasoning_opened: bool | None) -> str | None:
-        """The llguidance grammar the output must follow (None: unconstrained).
+    def grammar(self, tokenizer, reasoning_opened: bool | None) -> str:
+        """The llguidance grammar the output must follow (every plan constrains: lazily for auto).
 
         reasoning_opened: None when reasoning is not split for this request, else whether the
         prompt left the output inside a think block (quill.server.handlers.reasoning_opened)."""
