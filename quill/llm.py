@@ -108,14 +108,7 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template_kwargs = self._template_kwargs(chat_template, chat_template_kwargs)
-        from quill.tools import template_history, tool_prompt
-
-        template = chat_template or self.tokenizer.chat_template
-        encoded = []
-        for conv in conversations:  # history and tools shown as the server shows them (a ToolError names a bad entry)
-            conv = template_history(conv, template)
-            conv, extra = tool_prompt(conv, tools, template) if tools else (conv, {})
-            encoded.append(self._chat_ids(conv, add_generation_prompt, **template_kwargs, **extra))
+        encoded = [self._chat_ids(conv, add_generation_prompt, tools=tools, **template_kwargs) for conv in conversations]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(encoded)
         return self._run(encoded, params_list)
@@ -129,7 +122,17 @@ class LLM:
             kwargs["chat_template"] = chat_template
         return kwargs
 
-    def _chat_ids(self, conv: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> tuple[str, list[int]]:
+    def _chat_ids(self, conv: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                  **template_kwargs) -> tuple[str, list[int]]:
+        """(prompt text, ids); past tool calls and `tools` shown as the server shows them (quill.tools:
+        template_history, tool_prompt; a ToolError names a bad entry)."""
+        from quill.tools import template_history, tool_prompt
+
+        template = template_kwargs.get("chat_template") or self.tokenizer.chat_template
+        conv = template_history(conv, template)
+        if tools:
+            conv, extra = tool_prompt(conv, tools, template)
+            template_kwargs = {**template_kwargs, **extra}
         text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
         return text, self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
@@ -140,10 +143,10 @@ class LLM:
         return self._run(encoded, params_list)
 
     def stream_chat(self, conv: list[dict], params: SamplingParams, *, chat_template: str | None = None,
-                    chat_template_kwargs: dict | None = None) -> Iterator[RequestOutput]:
+                    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step (delta_text is safe to print); the
-        template options are chat()'s."""
-        text, ids = self._chat_ids(conv, **self._template_kwargs(chat_template, chat_template_kwargs))
+        template options and `tools` are chat()'s."""
+        text, ids = self._chat_ids(conv, tools=tools, **self._template_kwargs(chat_template, chat_template_kwargs))
         request_id = f"chat-{next(self._ids)}"
         self.engine.add_request(request_id, ids, params, prompt=text)
         done = False
