@@ -186,16 +186,18 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state,
 def chat_prompt(state, engine, body: ChatCompletionRequest) -> tuple[list[int], object]:
     """(prompt ids, tool plan or None) as chat_completions renders them, tools included (blocking:
     call it off the event loop). /v1/messages/count_tokens counts these."""
-    from quill.tools import ToolError, template_history
+    from quill.tools import ToolError, detect_parser, template_history
 
-    tools = plan_tools(state, engine, body)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    family = state.tool_parser or detect_parser(template)  # the request's tool-call format, decided once
+    tools = plan_tools(body, family)
     messages, kwargs = template_messages(body.messages), template_kwargs(body)
     try:  # past calls' arguments as objects, and history in the family's own terms where its template has none
-        messages = template_history(messages, getattr(engine.tokenizer, "chat_template", None), state.tool_parser)
+        messages = template_history(messages, template, family)
     except ToolError as exc:
         raise bad_request(str(exc), exc.param) from exc
     if tools is not None:
-        messages, extra = tools.template_inputs(messages, getattr(engine.tokenizer, "chat_template", None))
+        messages, extra = tools.template_inputs(messages, template)
         kwargs = {**kwargs, **extra}
     return encode_chat(engine, messages, kwargs), tools
 

@@ -41,13 +41,14 @@ class ToolPlan:
         return self.parser_cls(self.tools)
 
 
-def plan_tools(state, engine, body) -> ToolPlan | None:
-    """The request's tool plan; None without tools or with tool_choice "none" (then the template
+def plan_tools(body, family: str) -> ToolPlan | None:
+    """The request's tool plan in the model's tool-call format `family` (--tool-parser, else
+    quill.tools.detect_parser); None without tools or with tool_choice "none" (then the template
     is not shown the tools either, so the model is not invited to call one). A bad tools list or
     tool_choice is a 400 naming the exact field."""
     if body.tools is None and body.tool_choice is None:
         return None
-    from quill.tools import ToolError, check_tool_choice, check_tools, detect_parser, parser_class
+    from quill.tools import ToolError, check_tool_choice, check_tools, parser_class
 
     try:
         tools = check_tools(body.tools or [])
@@ -56,9 +57,7 @@ def plan_tools(state, engine, body) -> ToolPlan | None:
         raise bad_request(str(exc), exc.param) from exc
     if choice.mode == "none" or not tools:
         return None
-    template = getattr(engine.tokenizer, "chat_template", None)
-    name = state.tool_parser or detect_parser(template)
-    return ToolPlan(parser_class(name), tools, choice, body.parallel_tool_calls is not False, list(body.tools))
+    return ToolPlan(parser_class(family), tools, choice, body.parallel_tool_calls is not False, list(body.tools))
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
