@@ -204,7 +204,8 @@ def test_drain_timeout_ends_each_stream_with_an_error_event(server):
         assert events[-1] == "[DONE]", events[-3:]
         error = events[-2]["error"]
         assert error["code"] == "shutting_down" and "--drain-timeout 1" in error["message"], error
-        assert not any("finish_reason" in str(e) and "length" in str(e) for e in events)  # cut short, not finished
+        reasons = [c.get("finish_reason") for e in events if isinstance(e, dict) for c in e.get("choices", [])]
+        assert "length" not in reasons and "stop" not in reasons, reasons  # cut short, not finished
     log = server.output()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
     assert "aborting 3 request(s)" in log
