@@ -1,4 +1,4 @@
-"""The `quill` command: serve, chat, generate, info, selftest, trace, memory, bench."""
+"""The `quill` command: serve, chat, generate, convert, info, selftest, trace, memory, bench."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import logging
 import sys
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """The whole command line. with_bench=False leaves out the bench verbs' own flags (their modules import
+    httpx, numpy and more, a tenth of a second that every other command would pay at start)."""
     parser = argparse.ArgumentParser(
         prog="quill",
         description="quill: a small, measurable LLM inference engine and OpenAI-compatible server. "
@@ -16,24 +18,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING; INFO shows per-request lines)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from quill import memory
-    from quill.bench import accuracy, latency, serve, soak, structured, synth
-    from quill.commands import chat, generate, info, selftest, trace
+    from quill.commands import chat, convert, generate, info, selftest, trace
     from quill.server import serve_cmd
 
-    for module in (generate, chat, info, selftest, serve_cmd, trace, memory):
+    for module in (generate, chat, convert, info, selftest, serve_cmd, trace, memory):
         module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), latency (engine vs llama.cpp), "
                                          "structured (constrained vs free decode), soak (storm + health check), "
                                          "synth (a real-shaped GGUF with random weights)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    for module in (serve, latency, structured, accuracy, soak, synth):
-        module.register(bench_sub)
+    if with_bench:
+        from quill.bench import accuracy, latency, serve, soak, structured, synth
+
+        for module in (serve, latency, structured, accuracy, soak, synth):
+            module.register(bench_sub)
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(with_bench="bench" in argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

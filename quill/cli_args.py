@@ -57,8 +57,8 @@ def positive_float(text: str) -> float:
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
-                   help="a .gguf file or a Hugging Face folder (config.json + *.safetensors); "
-                        "default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF")
+                   help="a .gguf file, a .quill file (quill convert) or a Hugging Face folder (config.json + "
+                        "*.safetensors); default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +78,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None, help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
     g.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    g.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="convert a .gguf file or folder to a .quill file in DIR on first use and map that file on "
+                        "every later start (keyed by the source's sha256, format version and CPU layout; delete "
+                        "DIR to clear it)")
     g.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8: quantize an fp16/bf16/fp32 model's linear layers (per-32 group, symmetric) at load")
     g.add_argument("--activations", choices=["exact", "int8"], default=None,
@@ -93,6 +97,7 @@ def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = 
         device=args.device,
         threads=args.threads,
         quantize=args.quantize,
+        cache_dir=args.cache_dir,
         activations=args.activations,
         max_model_len=args.max_model_len,
         cache=CacheConfig(

@@ -169,6 +169,23 @@ class ModelConfig:
             fields.update(spec.hf_config(config, fields))
         return cls(**fields)
 
+    def to_dict(self) -> dict:
+        """Every field, JSON-ready (tuples become lists); from_dict restores the same config."""
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """The inverse of to_dict: lists back to the tuples the frozen config holds."""
+        fields = dict(d)
+        for name in ("sliding_layers", "rope_layers", "eos_token_ids"):
+            if fields.get(name) is not None:
+                fields[name] = tuple(fields[name])
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields["rope_scaling"])
+        return cls(**fields)
+
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
         return cls.from_hf_config(json.loads(Path(path).read_text()))
@@ -259,6 +276,7 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None
     quantize: str | None = None  # "int8": quantize fp16/bf16/fp32 weights at load (GGUF files are used as they are)
+    cache_dir: str | None = None  # convert to .quill there on first use, map it afterwards (models/model_cache.py)
     # "int8": round activations to int8 (per 32, own scale) in the linears that have an int8 kernel
     # (opt-in; AVX-512 VNNI, else AVX2); "exact": fp32 activations; None: QUILL_INT8_ACTIVATIONS=1 or exact
     activations: str | None = None

@@ -39,12 +39,14 @@ class LLM:
         quantize: str | None = None,
         kv_cache_dtype: str = "auto",
         activations: str | None = None,
+        cache_dir: str | None = None,
     ):
         config = EngineConfig(
             model=model,
             device=device,
             threads=threads,
             quantize=quantize,
+            cache_dir=cache_dir,
             activations=activations,
             max_model_len=max_model_len,
             cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks, kv_cache_dtype),

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from quill.cli_args import parse_size
 from quill.config import ModelConfig, resolve_kv_dtype
-from quill.models.default import default_model_path
 
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 TORCH_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
@@ -83,22 +82,30 @@ def from_config_file(path: Path, folder: Path | None = None) -> ModelFootprint:
 
 
 def load_footprint(model: str | None, config_path: str | None) -> ModelFootprint:
-    """Resolve --model (a .gguf file or an HF folder) or --config; neither means the default model."""
+    """Resolve --model (a .gguf or .quill file or an HF folder) or --config; neither means the default model."""
     if config_path is not None:
         path = Path(config_path).expanduser()
         if not path.is_file():
             raise ValueError(f"--config {config_path!r} is not a file")
         return from_config_file(path)
+    from quill.models.default import default_model_path  # importlib.metadata: only when it is needed
+
     path = Path(model).expanduser() if model else default_model_path()
     if path.is_file() and path.suffix == ".gguf":
         from quill.models.gguf import GGUFModelFile
 
         return ModelFootprint(path.name, GGUFModelFile(path).model_config(), path.stat().st_size, "file size", "gguf")
+    if path.is_file() and path.suffix == ".quill":
+        from quill.models.quillfile import QuillFile
+
+        qf = QuillFile(path, check_cpu=False)  # its config and resident bytes, wherever it can run
+        origin = qf.json("quill.source", {}).get("format", "gguf")
+        return ModelFootprint(path.name, qf.model_config(), path.stat().st_size, "file size (.quill: as resident)", origin)
     if path.is_file() and path.suffix == ".json":
         return from_config_file(path)
     if path.is_dir() and (path / "config.json").is_file():
         return from_config_file(path / "config.json", folder=path)
-    raise ValueError(f"--model {str(path)!r} is neither a .gguf file nor a folder with config.json")
+    raise ValueError(f"--model {str(path)!r} is neither a .gguf file, a .quill file nor a folder with config.json")
 
 
 def report_lines(fp: ModelFootprint, budget: int, budget_source: str, kv_dtype: str,
@@ -144,7 +151,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "Without --model or --config it sizes the embedded default model.",
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="a .gguf file or a Hugging Face folder with config.json (weights: file sizes)")
+    source.add_argument("--model", help="a .gguf or .quill file or a Hugging Face folder with config.json "
+                                        "(weights: file sizes)")
     source.add_argument("--config", help="a config.json (weights: parameter count x torch_dtype bytes)")
     parser.add_argument("--budget", help="memory budget, e.g. 8GiB, 512MiB, 2GB or bytes (default: total RAM)")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES),

@@ -69,7 +69,9 @@ def test_default_model_fp16_and_fp32(capsys):
     assert run_memory("--budget", "1GiB") == 0
     out = capsys.readouterr().out
     assert "22.5 KiB per token (23,040 bytes" in out and "fp16: the engine's default" in out
-    size = memory.default_model_path().stat().st_size
+    from quill.models.default import default_model_path
+
+    size = default_model_path().stat().st_size
     assert f"weights     {memory.fmt_bytes(size)} (file size" in out
     capacity = (2**30 - size) // 23040
     assert f"capacity    {capacity:,} tokens" in out

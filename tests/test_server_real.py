@@ -72,7 +72,7 @@ def test_health_was_503_while_starting_and_cold_start_logged(server):
     assert server.health_seen[-1] == 200
     assert 503 in server.health_seen  # the port answers before the model is loaded
     out = server.output()
-    assert "cold start: import" in out and "weight load" in out and "warm-up" in out and "ready" in out
+    assert "cold start: import" in out and "weights" in out and "warm-up" in out and "ready" in out
     assert f"http://127.0.0.1:{server.port}/v1" in out
 
 

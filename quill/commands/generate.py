@@ -33,11 +33,16 @@ def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         print("error: give a PROMPT or --prompts-file (exactly one)", file=sys.stderr)
         return 2
+    from quill import coldstart
+
+    torch_ms = coldstart.import_torch()
     from quill.engine.engine import freeze_heap
     from quill.llm import LLM
 
+    import_ms = coldstart.process_age_ms()
     llm = LLM.from_engine_config(engine_config_from_args(args))
     freeze_heap()  # the command owns its process
+    print(coldstart.line(import_ms, llm.engine.cold_start, coldstart.process_age_ms(), torch_ms), file=sys.stderr)
     if args.prompts_file:
         return _run_file(llm, args)
     params = sampling_params_from_args(args)

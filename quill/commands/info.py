@@ -10,6 +10,7 @@ from quill.cli_args import add_model_arg
 def register(subparsers) -> None:
     p = subparsers.add_parser("info", help="describe a model: shape, tensor types, KV bytes per token")
     add_model_arg(p)
+    p.add_argument("--verify", action="store_true", help="a .quill file: also check the sha256 of every data byte")
     p.set_defaults(func=run)
 
 
@@ -17,7 +18,12 @@ def run(args: argparse.Namespace) -> int:
     from quill.models.loader import load_model
 
     loaded = load_model(args.model)
-    for key, value in describe(loaded).items():
+    info = describe(loaded)
+    if getattr(args, "verify", False):
+        if loaded.quill_file is None:
+            raise ValueError("--verify checks a .quill file's data checksum; this model is not a .quill file")
+        info["data sha256"] = f"{loaded.quill_file.verify_data()} (verified)"
+    for key, value in info.items():
         print(f"{key:<22} {value}")
     return 0
 
@@ -26,7 +32,7 @@ def describe(loaded) -> dict:
     c = loaded.config
     kv = c.kv_bytes_per_token(4)
     types = ", ".join(f"{k} x{v}" for k, v in sorted(loaded.tensor_types.items()))
-    return {
+    info = {
         "model": loaded.name,
         "path": str(loaded.path),
         "format": loaded.file_format,
@@ -46,6 +52,23 @@ def describe(loaded) -> dict:
                               f"(2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x {c.head_dim} x 4 B); "
                               f"{c.kv_bytes_per_token(2) / 1024:.1f} KiB fp16",
         "quill runs": supported_summary(),
+    }
+    if loaded.quill_file is not None:
+        info.update(quill_file_lines(loaded.quill_file))
+    return info
+
+
+def quill_file_lines(qf) -> dict:
+    """What a .quill file says about itself: version, layout, source and checksums."""
+    source = qf.json("quill.source", {})
+    quantized = f", --quantize {source['quantize']}" if source.get("quantize") else ""
+    return {
+        "quill format": f"version {qf.version}, written by {qf.meta.get('quill.created_by', '?')}",
+        "CPU layout": f"{qf.layout} (needs {', '.join(qf.required_features)})",
+        "source": f"{source.get('name', '?')} ({source.get('format', '?')}{quantized}, "
+                  f"{source.get('bytes', 0) / 2**20:.1f} MiB)",
+        "source sha256": source.get("sha256", "?"),
+        "header sha256": f"{qf.meta.get('quill.header_sha256')} (checked at load)",
     }
 
 

@@ -40,12 +40,10 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        t0 = time.perf_counter()
         engine = LLMEngine(config)
         t1 = time.perf_counter()
         warmup(engine)
-        t2 = time.perf_counter()
-        return cls(engine, {"load_ms": (t1 - t0) * 1000.0, "warmup_ms": (t2 - t1) * 1000.0})
+        return cls(engine, {**engine.cold_start, "warmup_ms": (time.perf_counter() - t1) * 1000.0})
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:

@@ -59,6 +59,7 @@ class LLMEngine:
         """kernel_options (quill.kernels.options.KernelOptions): this engine's ISA, AMX and thread count;
         default: config.threads and the environment (QUILL_NO_AVX512, QUILL_NO_AMX) read now."""
         self.config = config
+        started = time.perf_counter()
         from quill.kernels.threads import configure_threads
 
         self.threads = configure_threads(kernel_options.threads if kernel_options else config.threads)
@@ -67,14 +68,15 @@ class LLMEngine:
         int8 = None if config.activations is None else config.activations == "int8"
         self.kernel_options = kernel_options or resolve_kernel_options(self.threads, int8=int8)
         with use_kernel_options(self.kernel_options):  # the weights' layout (AMX tiles or not) follows them
+            fresh = loaded is None
             self.loaded = loaded or load_model(config.model, device=config.device, quantize=config.quantize,
-                                               context_len=config.max_model_len)
+                                               context_len=config.max_model_len, cache_dir=config.cache_dir)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, self.loaded.model.context_len)
         cache = config.cache
-        self.kv_cache_dtype = resolve_kv_dtype(cache.kv_cache_dtype, self.loaded.file_format)
+        self.kv_cache_dtype = resolve_kv_dtype(cache.kv_cache_dtype, self.loaded.origin_format)
         dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         num_blocks = num_blocks_for(cache, self.model_config, dtype.itemsize)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, dtype, device=config.device)
@@ -91,6 +93,10 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self.last_step = StepInfo()
+        load_ms = self.loaded.load_ms if fresh else 0.0  # weights loaded elsewhere cost this engine nothing
+        self.cold_start = {"load_ms": load_ms, "load_format": self.loaded.file_format,
+                           "load_phases": self.loaded.load_phases if fresh else {},
+                           "engine_ms": (time.perf_counter() - started) * 1000.0 - load_ms}
         self.guided_compiler = None  # built lazily on the first constrained request
         self._guided_lock = threading.Lock()  # validate() may run on another thread than step()
         self._seq_ids = itertools.count()  # this engine's sequence numbers

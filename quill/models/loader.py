@@ -24,7 +24,7 @@ def resolve_model_path(model: str | None) -> Path:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {model!r} does not exist (quill loads local GGUF files or HF folders)")
+        raise FileNotFoundError(f"model path {model!r} does not exist (quill loads local GGUF files, .quill files or HF folders)")
     return path
 
 
@@ -43,10 +43,30 @@ class LoadedModel:
     tokenizer: object  # quill.tokenizer.Tokenizer
     path: Path
     name: str
-    file_format: str  # "gguf" | "safetensors"
+    file_format: str  # "gguf" | "safetensors" | "quill"
     tensor_types: dict[str, int] = field(default_factory=dict)
     load_ms: float = 0.0
     file_bytes: int = 0
+    origin_format: str = ""  # where the weights came from ("gguf" | "safetensors"; a .quill file's source's)
+    quill_file: object = None  # the QuillFile a .quill model views (kept open while the model lives)
+    load_phases: dict[str, float] = field(default_factory=dict)  # a .quill load: ms to map, tokenizer, model
+
+    def __post_init__(self):
+        self.origin_format = self.origin_format or self.file_format
+
+
+@dataclass
+class ModelSource:
+    """A GGUF file or Hugging Face folder opened for building: its config, tokenizer and weight source."""
+
+    config: ModelConfig
+    weights: object  # a weight source: tensor / linear / embedding / tied_head (see models/llama.py)
+    tokenizer: object
+    path: Path
+    file_format: str  # "gguf" | "safetensors"
+    types: collections.Counter
+    file_bytes: int
+    generation_config: dict = field(default_factory=dict)
 
 
 def _progress(total: int, desc: str):
@@ -55,25 +75,78 @@ def _progress(total: int, desc: str):
 
 
 def load_model(model: str | None = None, device: str = "cpu", quantize: str | None = None,
-               context_len: int | None = None) -> LoadedModel:
+               context_len: int | None = None, cache_dir: str | Path | None = None) -> LoadedModel:
     """Load weights (with a progress bar) and the tokenizer; raises UnsupportedModelError clearly.
     context_len: the longest context to serve (default the model's): it sizes the RoPE tables and
-    picks LongRoPE's short or long factors, as llama.cpp's context size does."""
+    picks LongRoPE's short or long factors, as llama.cpp's context size does.
+    cache_dir: convert a GGUF file or folder to a .quill file there on first use, and map that file
+    on every later load (quill.models.model_cache)."""
+    from quill.models import quillfile
+
     path = resolve_model_path(model)
     t0 = time.perf_counter()
     if quantize is not None and quantize not in ("int8",):
         raise ValueError(f"--quantize {quantize!r} is not supported; choose int8")
+    if quillfile.is_quill_file(path):
+        if quantize is not None:
+            logger.warning("--quantize %s ignored: %s holds converted weights (quill convert --quantize applies it)",
+                           quantize, path.name)
+        loaded = load_quill(path, device, context_len)
+    elif cache_dir is not None:
+        from quill.models.model_cache import load_cached
+
+        loaded = load_cached(path, Path(cache_dir).expanduser(), device, quantize, context_len)
+    else:
+        loaded = build(open_source(path, device, quantize), device, context_len)
+    loaded.load_ms = (time.perf_counter() - t0) * 1000.0
+    return loaded
+
+
+def open_source(path: Path, device: str = "cpu", quantize: str | None = None) -> ModelSource:
+    """A GGUF file or Hugging Face folder, ready for `build` (or `quill convert`)."""
     if path.is_file() and path.suffix == ".gguf":
         if quantize is not None:
             logger.warning("--quantize %s ignored: %s is already quantized (its blocks are used as they are)",
                            quantize, path.name)
-        loaded = _load_gguf(path, device, context_len)
-    elif path.is_dir() and (path / "config.json").exists():
-        loaded = _load_hf_folder(path, device, quantize, context_len)
-    else:
-        raise UnsupportedModelError(f"{path} is neither a .gguf file nor a folder with config.json")
-    loaded.load_ms = (time.perf_counter() - t0) * 1000.0
-    return loaded
+        return _gguf_source(path, device)
+    if path.is_dir() and (path / "config.json").exists():
+        return _hf_source(path, device, quantize)
+    raise UnsupportedModelError(f"{path} is neither a .gguf file, a .quill file nor a folder with config.json")
+
+
+def build(source: ModelSource, device: str = "cpu", context_len: int | None = None, weights=None,
+          name: str | None = None) -> LoadedModel:
+    """Build the model from a source (layer by layer, with a progress bar); `weights` replaces the
+    source's weight source (quill convert records through it)."""
+    cfg = source.config
+    bar = _progress(cfg.num_layers, f"loading {source.path.name}")
+    model = LlamaForCausalLM(cfg, weights or source.weights, device=device, progress=lambda i: bar.update(1),
+                             context_len=context_len)
+    bar.close()
+    return LoadedModel(cfg, model.to(device), source.tokenizer, source.path, name or model_display_name(source.path),
+                       source.file_format, dict(source.types), file_bytes=source.file_bytes)
+
+
+def load_quill(path: Path, device: str = "cpu", context_len: int | None = None, name: str | None = None) -> LoadedModel:
+    """A .quill file: the header checked, the tensors viewed where they lie in the mapped file."""
+    from quill.models.quillfile import QuillFile, QuillFileError, QuillWeights
+
+    if device != "cpu":
+        raise QuillFileError(f"{path.name} holds quill's CPU layouts; device {device!r} needs the source model")
+    t0 = time.perf_counter()
+    qfile = QuillFile(path)
+    cfg = qfile.model_config()
+    t1 = time.perf_counter()
+    tokenizer = qfile.tokenizer()
+    t2 = time.perf_counter()
+    model = LlamaForCausalLM(cfg, QuillWeights(qfile), device=device, context_len=context_len)
+    t3 = time.perf_counter()
+    source = qfile.json("quill.source", {})
+    return LoadedModel(cfg, model, tokenizer, path, name or model_display_name(path), "quill",
+                       qfile.json("quill.tensor_types", {}), file_bytes=path.stat().st_size,
+                       origin_format=source.get("format", "gguf"), quill_file=qfile,
+                       load_phases={"map": (t1 - t0) * 1000, "tokenizer": (t2 - t1) * 1000,
+                                    "model": (t3 - t2) * 1000})
 
 
 class PackedGGUFWeights:
@@ -130,7 +203,7 @@ class PackedGGUFWeights:
         return DenseLinear(embedding.weight.data)
 
 
-def _load_gguf(path: Path, device: str, context_len: int | None = None) -> LoadedModel:
+def _gguf_source(path: Path, device: str) -> ModelSource:
     from quill.kernels import native
     from quill.models.gguf import GGUFModelFile
     from quill.models.llama import DenseWeights
@@ -144,15 +217,10 @@ def _load_gguf(path: Path, device: str, context_len: int | None = None) -> Loade
     weights = PackedGGUFWeights(gf, device, types)
     if device != "cpu" or native.load() is None:  # no kernels for this device: fp32 weights, torch ops
         weights = DenseWeights(weights.tensor)
-    bar = _progress(cfg.num_layers, f"loading {path.name}")
-    model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1),
-                             context_len=context_len)
-    bar.close()
-    return LoadedModel(cfg, model.to(device), tok, path, model_display_name(path), "gguf", dict(types),
-                       file_bytes=path.stat().st_size)
+    return ModelSource(cfg, weights, tok, path, "gguf", types, path.stat().st_size)
 
 
-def _load_hf_folder(path: Path, device: str, quantize: str | None = None, context_len: int | None = None) -> LoadedModel:
+def _hf_source(path: Path, device: str, quantize: str | None = None) -> ModelSource:
     from safetensors import safe_open
 
     from quill.models.llama import DenseWeights
@@ -174,7 +242,6 @@ def _load_hf_folder(path: Path, device: str, quantize: str | None = None, contex
         types[str(t.dtype).replace("torch.", "")] += 1
         return t.float().to(device)
 
-    bar = _progress(cfg.num_layers, f"loading {path.name}")
     weights = DenseWeights(get)
     if quantize == "int8":
         from quill.kernels import native
@@ -183,9 +250,7 @@ def _load_hf_folder(path: Path, device: str, quantize: str | None = None, contex
         if device != "cpu" or native.load() is None:
             raise ValueError("--quantize int8 needs the CPU kernels (x86-64 with AVX2/FMA and gcc)")
         weights = Int8Weights(weights)
-    model = LlamaForCausalLM(cfg, weights, device=device, progress=lambda i: bar.update(1),
-                             context_len=context_len)
-    bar.close()
-    tok = Tokenizer.from_hf_dir(path)
-    size = sum(f.stat().st_size for f in files)
-    return LoadedModel(cfg, model.to(device), tok, path, path.name, "safetensors", dict(types), file_bytes=size)
+    generation = path / "generation_config.json"
+    return ModelSource(cfg, weights, Tokenizer.from_hf_dir(path), path, "safetensors", types,
+                       sum(f.stat().st_size for f in files),
+                       json.loads(generation.read_text()) if generation.is_file() else {})

@@ -62,11 +62,13 @@ _ABORT_SETTLE_S = 5.0  # after the drain deadline: how long the aborted requests
 
 def _load_engine(state, config, server: DrainingServer) -> None:
     """Import and load the engine (blocking), attach it, log the cold start, print the URL."""
-    from quill.server.serve_cmd import process_age_ms
+    from quill import coldstart
+    from quill.coldstart import process_age_ms
 
     before_import = process_age_ms() or 0.0  # interpreter start + CLI imports
     t0 = time.perf_counter()
     try:
+        torch_ms = coldstart.import_torch()
         from quill.engine.async_engine import AsyncEngine
         from quill.engine.engine import freeze_heap
 
@@ -83,17 +85,16 @@ def _load_engine(state, config, server: DrainingServer) -> None:
     server.engine = engine
     cold = dict(getattr(engine, "cold_start", {}) or {})
     ready_ms = process_age_ms()
-    logger.info(
-        "cold start: import %s, weight load %s, warm-up %s, ready %s after process start",
-        _ms(import_ms), _ms(cold.get("load_ms")), _ms(cold.get("warmup_ms")), _ms(ready_ms),
-    )
+    cold_line = coldstart.line(import_ms, cold, ready_ms, torch_ms)
+    logger.info("%s", cold_line)
     while not server.started and not server.should_exit:
         time.sleep(0.05)
     if server.started:
         host = server.config.host
         shown = f"[{host}]" if ":" in host else host
         url = f"http://{shown}:{server.config.port}"
-        print(f"quill: serving {state.served_model_name!r} at {url}/v1 (health {url}/health, metrics {url}/metrics)", flush=True)
+        print(f"quill: {cold_line}\nquill: serving {state.served_model_name!r} at {url}/v1 (health {url}/health, "
+              f"metrics {url}/metrics)", flush=True)
 
 
 def http_limits(args) -> HTTPLimits:
@@ -105,10 +106,6 @@ def http_limits(args) -> HTTPLimits:
         max_headers=args.max_headers,
         limit_concurrency=args.limit_concurrency or None,
     )
-
-
-def _ms(value: float | None) -> str:
-    return "?" if value is None else f"{value:,.0f} ms"
 
 
 def serve(args, config) -> int:

@@ -83,19 +83,6 @@ def engine_config(args):
     return config
 
 
-def process_age_ms() -> float | None:
-    """Milliseconds since this process started (Linux /proc), for the cold-start line."""
-    try:
-        ticks = os.sysconf("SC_CLK_TCK")
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(uptime - start_ticks / ticks, 0.0) * 1000.0
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def run(args) -> int:
     from quill.server.runner import serve
 

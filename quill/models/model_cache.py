@@ -1,0 +1,89 @@
+"""--cache-dir: a GGUF file or Hugging Face folder converted to .quill on first use, mapped afterwards.
+
+A cached file is named `<source name>-<first 16 hex of the source's sha256>-v<format version>-<layout>[-int8].quill`,
+so it is keyed by the source's content, the format version and the CPU layout (and --quantize). Hashing a
+multi-GB source at every start would cost seconds, so `index.json` in the folder remembers each source's
+sha256 under its path, size, mtime and inode; a source that changed is hashed again. Clearing the cache is
+deleting the folder (or any of its files); nothing else refers to them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from quill.models import quillfile
+
+logger = logging.getLogger("quill.models")
+INDEX = "index.json"
+
+
+def _stat_key(path: Path) -> str:
+    files = [path] if path.is_file() else _folder_files(path)
+    parts = [str(path.resolve())]
+    for f in files:
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
+    return "|".join(parts)
+
+
+def _folder_files(path: Path) -> list[Path]:
+    from quill.models.convert import folder_files
+
+    return folder_files(path)
+
+
+def _read_index(cache_dir: Path) -> dict:
+    try:
+        return json.loads((cache_dir / INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_index(cache_dir: Path, index: dict) -> None:
+    tmp = cache_dir / f".{INDEX}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+    os.replace(tmp, cache_dir / INDEX)  # atomic: a concurrent reader sees the old or the new index
+
+
+def source_hash(path: Path, cache_dir: Path) -> str:
+    """The source's sha256, from the index when its files are unchanged since it was hashed."""
+    from quill.models.convert import source_sha256
+
+    key = _stat_key(path)
+    index = _read_index(cache_dir)
+    if key in index:
+        return index[key]
+    sha = source_sha256(path)
+    index = _read_index(cache_dir)  # re-read: another process may have added entries meanwhile
+    index[key] = sha
+    _write_index(cache_dir, index)
+    return sha
+
+
+def cached_path(path: Path, cache_dir: Path, sha: str, layout: str, quantize: str | None) -> Path:
+    stem = path.stem if path.is_file() else path.name
+    return cache_dir / f"{stem}-{sha[:16]}-v{quillfile.FORMAT_VERSION}-{layout}{'-' + quantize if quantize else ''}.quill"
+
+
+def load_cached(path: Path, cache_dir: Path, device: str, quantize: str | None, context_len: int | None):
+    """Map the cached conversion of `path`, converting it first when it is missing or unreadable."""
+    from quill.models.convert import convert
+    from quill.models.loader import load_quill, model_display_name
+
+    if device != "cpu":
+        raise ValueError(f"--cache-dir converts to quill's CPU layouts; device {device!r} loads the source directly")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    sha = source_hash(path, cache_dir)
+    target = cached_path(path, cache_dir, sha, quillfile.resolve_layout("auto"), quantize)
+    name = model_display_name(path)
+    if target.exists():
+        try:
+            return load_quill(target, device, context_len, name=name)
+        except quillfile.QuillFileError as e:
+            logger.warning("cached %s is unusable (%s); converting again", target.name, e)
+    logger.warning("converting %s to %s (first use of this source with --cache-dir)", path.name, target)
+    convert(path, target, quantize=quantize, sha256=sha)
+    return load_quill(target, device, context_len, name=name)

@@ -1,0 +1,508 @@
+"""quill's own weight file (`.quill`): the kernels' resident layout written once, loaded as an mmap.
+
+The container is safetensors (https://github.com/huggingface/safetensors): an 8-byte header length, a
+JSON header (string metadata under `__metadata__`, and each tensor's dtype, shape and byte range), then
+the tensor bytes. safetensors' own reader (`safe_open`) checks every byte range against the file's
+length and maps the file once; each tensor it gives out is a view of the mapped pages, so loading
+copies nothing and two processes reading one file share its page-cache pages.
+
+What quill adds, all inside that format:
+  * alignment: tensor data starts on 64 bytes, 4 KiB for tensors of 64 KiB or more. safetensors
+    allows no gaps between tensors, so the gaps are `U8` tensors named `__pad__.N` (never loaded);
+  * the model as its weight source built it (`RecordingWeights`): each `tensor` / `linear` /
+    `embedding` / `tied_head` call of `LlamaForCausalLM` and the object it returned (packed q4/q8,
+    GGUF blocks, split projections, AMX tiles, dense fp32), described in `quill.structure` and
+    rebuilt from views by `QuillWeights`: the same objects the source's loader makes, no conversion;
+  * metadata: format version, CPU layout and the features it needs, the model config, the
+    tokenizer's settings and chat template, the generation config, the source's name and sha256,
+    and two checksums: `quill.header_sha256` (the header, with that value zeroed; checked at every
+    load) and `quill.data_sha256` (every data byte; checked by `quill convert` after writing and by
+    `quill info --verify`, never at load, which would read every page);
+  * the tokenizer's tokenizer.json as a `U8` tensor (`tokenizer.json`), with its own sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from quill.config import ModelConfig, UnsupportedModelError
+
+SUFFIX = ".quill"
+FORMAT_VERSION = 1  # raise when the structure or a layout changes; older readers then refuse
+LAYOUTS = ("portable", "amx")  # portable: packed / GGUF blocks / dense (AVX2+FMA+F16C kernels); amx: + 16x64 tiles
+LAYOUT_FEATURES = {"portable": ("avx2", "fma", "f16c"), "amx": ("avx2", "fma", "f16c", "amx-int8")}
+SMALL_ALIGN, LARGE_ALIGN, LARGE_TENSOR = 64, 4096, 64 * 1024
+PAD_PREFIX = "__pad__."
+TOKENIZER_TENSOR = "tokenizer.json"
+_CHECKSUM_KEY = "quill.header_sha256"
+_ZERO_SUM = "0" * 64
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
+           torch.int8: "I8", torch.int32: "I32", torch.int64: "I64"}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
+class QuillFileError(UnsupportedModelError):
+    """A .quill file that this quill or this CPU cannot load: the message names what differs and the fix."""
+
+
+# ---- recording what a weight source builds ------------------------------------------------------------
+
+
+class RecordingWeights:
+    """Wraps a weight source (PackedGGUFWeights, DenseWeights, Int8Weights) and keeps, in call order,
+    each object it hands to the model: what a .quill file stores."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.records: list[tuple[str, object]] = []
+
+    def _keep(self, key: str, obj):
+        self.records.append((key, obj))
+        return obj
+
+    def tensor(self, name: str):
+        return self._keep(_key("tensor", name), self.inner.tensor(name))
+
+    def linear(self, names: list[str], has_bias: bool):
+        return self._keep(_key("linear", *names, bias=has_bias), self.inner.linear(names, has_bias))
+
+    def embedding(self, name: str):
+        return self._keep(_key("embedding", name), self.inner.embedding(name))
+
+    def tied_head(self, embedding):
+        return self._keep(_key("tied_head"), self.inner.tied_head(embedding))
+
+
+def _key(kind: str, *names: str, bias: bool = False) -> str:
+    return " ".join((kind, ",".join(names), "bias" if bias else "")).strip()
+
+
+class QuillWeights:
+    """The weight source of a .quill file: each call returns the object recorded for it, rebuilt on views
+    of the mapped file (a tensor stored once, such as a tied embedding and head, is one tensor)."""
+
+    def __init__(self, qfile: "QuillFile"):
+        from quill.kernels.packed import Workspace
+
+        self.qfile = qfile
+        self.workspace = Workspace()
+        self.specs = {r["key"]: r["obj"] for r in qfile.structure}
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def _get(self, name: str | None) -> torch.Tensor | None:
+        if name is None:
+            return None
+        if name not in self._tensors:
+            self._tensors[name] = self.qfile.handle.get_tensor(name)
+        return self._tensors[name]
+
+    def _spec(self, key: str) -> dict:
+        spec = self.specs.get(key)
+        if spec is None:
+            raise QuillFileError(f"{self.qfile.path.name} has no weights for {key!r}: it was written for another model "
+                                 f"structure (format version {self.qfile.version}); re-run `quill convert`")
+        return spec
+
+    def tensor(self, name: str):
+        return decode(self._spec(_key("tensor", name)), self._get, self.workspace)
+
+    def linear(self, names: list[str], has_bias: bool):
+        return decode(self._spec(_key("linear", *names, bias=has_bias)), self._get, self.workspace)
+
+    def embedding(self, name: str):
+        return decode(self._spec(_key("embedding", name)), self._get, self.workspace)
+
+    def tied_head(self, embedding):
+        return decode(self._spec(_key("tied_head")), self._get, self.workspace)
+
+
+# ---- objects <-> (structure, tensors) -----------------------------------------------------------------
+
+
+class _TensorTable:
+    """Tensors to write, named by where they sit; a tensor met again (a tied head) keeps its first name."""
+
+    def __init__(self, tile: bool):
+        self.tile = tile  # the amx layout: top-level q4/q8 weights become AMX tiles, as tiled.for_cpu does
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._names: dict[tuple, str] = {}
+        self._weights: dict[int, dict] = {}  # id(weight object) -> its spec: shared objects stay shared
+
+    def put(self, name: str, t: torch.Tensor | None) -> str | None:
+        if t is None:
+            return None
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name here")
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if ident in self._names:
+            return self._names[ident]
+        if name in self.tensors:
+            raise ValueError(f"two tensors named {name!r}")
+        self.tensors[name] = t.detach().contiguous()
+        self._names[ident] = name
+        return name
+
+
+def encode(obj, table: _TensorTable, name: str) -> dict:
+    """One object a weight source returned -> its JSON spec (its tensors go into `table`)."""
+    from quill.kernels.linear import DenseLinear
+    from quill.kernels.packed import DenseEmbedding, PackedEmbedding, PackedLinear
+
+    if isinstance(obj, torch.Tensor):
+        return {"t": "tensor", "data": table.put(name, obj)}
+    if isinstance(obj, DenseLinear):
+        return {"t": "dense_linear", "weight": table.put(name + ".weight", obj.weight.data),
+                "bias": table.put(name + ".bias", None if obj.bias is None else obj.bias.data)}
+    if isinstance(obj, PackedLinear):
+        return {"t": "packed_linear", "weight": _encode_weight(obj.weight, table, name + ".weight", top=True),
+                "bias": table.put(name + ".bias", obj.bias)}
+    if isinstance(obj, PackedEmbedding):
+        return {"t": "packed_embedding", "weight": _encode_weight(obj.weight, table, name + ".weight", top=True)}
+    if isinstance(obj, DenseEmbedding):
+        return {"t": "dense_embedding", "weight": table.put(name + ".weight", obj.weight.data)}
+    raise TypeError(f"{name}: a {type(obj).__name__} has no .quill encoding")
+
+
+def _encode_weight(w, table: _TensorTable, name: str, top: bool = False) -> dict:
+    from quill.kernels.kquant import BlockWeight
+    from quill.kernels.packed import PackedWeight, SplitWeight
+    from quill.kernels.tiled import TiledWeight, tile_weight
+
+    if id(w) in table._weights:
+        return table._weights[id(w)]
+    if top and table.tile and isinstance(w, PackedWeight):
+        w = tile_weight(w) or w  # exactly tiled.for_cpu's rule: whole q4/q8 weights whose shape fits
+    if isinstance(w, TiledWeight) or isinstance(w, PackedWeight):
+        spec = {"t": "tiled" if isinstance(w, TiledWeight) else "packed", "kind": w.kind,
+                "codes": table.put(name + ".codes", w.codes), "scale": table.put(name + ".scale", w.scale),
+                "mins": table.put(name + ".mins", w.mins)}
+    elif isinstance(w, BlockWeight):
+        spec = {"t": "blocks", "qtype": w.qtype.name, "blocks": table.put(name + ".blocks", w.blocks)}
+    elif isinstance(w, SplitWeight):
+        spec = {"t": "split", "parts": [_encode_weight(p, table, f"{name}.{i}") for i, p in enumerate(w.parts)]}
+    else:
+        raise TypeError(f"{name}: a {type(w).__name__} weight has no .quill encoding")
+    table._weights[id(w)] = spec
+    return spec
+
+
+def decode(spec: dict, get: Callable[[str | None], torch.Tensor | None], workspace):
+    """A spec and a tensor getter -> the object the source's weight source had built."""
+    from quill.kernels.linear import DenseLinear
+    from quill.kernels.packed import DenseEmbedding, PackedEmbedding, PackedLinear
+
+    kind = spec["t"]
+    if kind == "tensor":
+        return get(spec["data"])
+    if kind == "dense_linear":
+        return DenseLinear(get(spec["weight"]), get(spec["bias"]))
+    if kind == "packed_linear":
+        return PackedLinear(_decode_weight(spec["weight"], get), get(spec["bias"]), workspace)
+    if kind == "packed_embedding":
+        return PackedEmbedding(_decode_weight(spec["weight"], get))
+    if kind == "dense_embedding":
+        return DenseEmbedding(get(spec["weight"]))
+    raise QuillFileError(f"unknown object kind {kind!r} in the file's structure")
+
+
+def _decode_weight(spec: dict, get):
+    from gguf import GGMLQuantizationType
+
+    from quill.kernels.kquant import BlockWeight
+    from quill.kernels.packed import PackedWeight, SplitWeight
+    from quill.kernels.tiled import TiledWeight
+
+    kind = spec["t"]
+    if kind in ("packed", "tiled"):
+        cls = PackedWeight if kind == "packed" else TiledWeight
+        return cls(spec["kind"], get(spec["codes"]), get(spec["scale"]), get(spec["mins"]))
+    if kind == "blocks":
+        return BlockWeight(GGMLQuantizationType[spec["qtype"]], get(spec["blocks"]))
+    if kind == "split":
+        return SplitWeight([_decode_weight(p, get) for p in spec["parts"]])
+    raise QuillFileError(f"unknown weight kind {kind!r} in the file's structure")
+
+
+# ---- the CPU a layout needs ---------------------------------------------------------------------------
+
+
+def cpu_features() -> set[str]:
+    """This CPU's features that layouts name (from the kernels' probes and /proc/cpuinfo)."""
+    from quill.kernels import native, options
+
+    have: set[str] = set()
+    if native.cpu_supported():
+        have |= {"avx2", "fma"}
+        try:
+            if " f16c" in Path("/proc/cpuinfo").read_text():
+                have.add("f16c")
+        except OSError:
+            pass
+    if options.hardware().amx:
+        have.add("amx-int8")
+    return have
+
+
+def check_layout(layout: str, required: list[str], path: Path) -> None:
+    """Refuse a layout this machine (or these kernel options) cannot run, naming what is missing."""
+    from quill.kernels import native, tiled
+
+    if layout not in LAYOUTS:
+        raise QuillFileError(f"{path.name} uses CPU layout {layout!r}; this quill knows {', '.join(LAYOUTS)}: "
+                             "upgrade quill or re-run `quill convert` here")
+    missing = [f for f in required if f not in cpu_features()]
+    if missing:
+        raise QuillFileError(f"{path.name} was written for the {layout!r} CPU layout, which needs "
+                             f"{', '.join(required)}; this CPU lacks {', '.join(missing)}. Re-run `quill convert` "
+                             f"from the source model on this machine (or with --layout portable)")
+    if native.load() is None:
+        raise QuillFileError(f"{path.name} holds packed weights for quill's CPU kernels, which are not available "
+                             "here (QUILL_DISABLE_NATIVE=1, or no C compiler); load the source model instead")
+    if layout == "amx" and not tiled.available():
+        raise QuillFileError(f"{path.name} holds AMX tiles, but AMX is turned off for this engine (QUILL_NO_AMX=1 "
+                             "or amx=False); re-run `quill convert --layout portable`")
+
+
+def resolve_layout(name: str) -> str:
+    """--layout: auto is amx where this machine's kernels would tile weights at load, else portable."""
+    from quill.kernels import tiled
+
+    if name == "auto":
+        return "amx" if tiled.available() else "portable"
+    if name not in LAYOUTS:
+        raise ValueError(f"--layout must be auto, {' or '.join(LAYOUTS)}; got {name!r}")
+    return name
+
+
+# ---- writing ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Written:
+    path: Path
+    bytes: int
+    tensors: int
+    data_sha256: str
+    layout: str
+
+
+def _align(nbytes: int) -> int:
+    return LARGE_ALIGN if nbytes >= LARGE_TENSOR else SMALL_ALIGN
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def write(path: str | Path, records: list[tuple[str, object]], metadata: dict[str, str], tokenizer_json: str,
+          layout: str, progress: bool = True) -> Written:
+    """Write records (from RecordingWeights) and metadata (string values) as one .quill file, atomically
+    (a temporary file in the same folder, renamed when complete)."""
+    from tqdm import tqdm
+
+    path = Path(path)
+    table = _TensorTable(tile=layout == "amx")
+    structure = []
+    for key, obj in records:
+        name = key.split(" ", 1)[1].split(" ")[0].replace(",", "+") if " " in key else key
+        structure.append({"key": key, "obj": encode(obj, table, name or key)})
+    tok_bytes = tokenizer_json.encode("utf-8")
+    tensors = dict(table.tensors)
+    tensors[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tok_bytes), dtype=torch.uint8)
+    entries: dict[str, Any] = {}
+    plan: list[tuple[int, torch.Tensor | None]] = []  # (pad bytes before, tensor)
+    offset = pads = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        pad = (-offset) % _align(nbytes)
+        if pad:
+            entries[f"{PAD_PREFIX}{pads}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad]}
+            pads += 1
+            offset += pad
+        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        plan.append((pad, t))
+        offset += nbytes
+    data_hash = hashlib.sha256()
+    for pad, t in plan:
+        data_hash.update(bytes(pad))
+        data_hash.update(_raw(t))
+    meta = dict(metadata)
+    meta.update({
+        "format": "quill", "quill.format_version": str(FORMAT_VERSION), "quill.layout": layout,
+        "quill.cpu_features": ",".join(LAYOUT_FEATURES[layout]),
+        "quill.structure": json.dumps(structure), "quill.tokenizer_sha256": hashlib.sha256(tok_bytes).hexdigest(),
+        "quill.data_sha256": data_hash.hexdigest(), _CHECKSUM_KEY: _ZERO_SUM,
+    })
+    header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    header += b" " * ((-(8 + len(header))) % LARGE_ALIGN)  # data starts on a page boundary
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(f"the .quill header would be {len(header):,} bytes; safetensors reads at most {MAX_HEADER_BYTES:,}")
+    header = _with_checksum(header)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    total = 8 + len(header) + offset
+    try:
+        with open(tmp, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {path.name}",
+                                         file=sys.stderr, leave=False, disable=None if progress else True) as bar:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            bar.update(8 + len(header))
+            for pad, t in plan:
+                f.write(bytes(pad))
+                f.write(_raw(t))
+                bar.update(pad + t.numel() * t.element_size())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return Written(path, total, len(tensors), data_hash.hexdigest(), layout)
+
+
+def _checksum_span(header: bytes) -> tuple[int, int]:
+    marker = f'"{_CHECKSUM_KEY}":"'.encode()
+    at = header.find(marker)
+    if at < 0:
+        return -1, -1
+    start = at + len(marker)
+    return start, start + 64
+
+
+def _with_checksum(header: bytes) -> bytes:
+    start, end = _checksum_span(header)
+    digest = hashlib.sha256(header).hexdigest().encode()  # over the header with the value zeroed
+    return header[:start] + digest + header[end:]
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+
+
+def is_quill_file(path: Path) -> bool:
+    return path.is_file() and path.suffix == SUFFIX
+
+
+class QuillFile:
+    """An opened .quill file: its header checked (length, checksum, version, layout), its tensors mapped."""
+
+    def __init__(self, path: str | Path, check_cpu: bool = True):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        self.meta = self._read_metadata()
+        try:
+            self.handle = safe_open(str(self.path), framework="pt", device="cpu")
+        except SafetensorError as e:  # byte ranges past the end, gaps, a bad dtype
+            raise QuillFileError(f"{self.path.name} is damaged (truncated or corrupted: {e}); re-run `quill convert`") from e
+        if check_cpu:
+            check_layout(self.layout, self.required_features, self.path)
+
+    def _read_metadata(self) -> dict[str, str]:
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise QuillFileError(f"{self.path.name} is {size} bytes: too short for a .quill header (truncated)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise QuillFileError(f"{self.path.name}: the header claims {n:,} bytes but the file has {size:,} "
+                                     "(truncated or not a .quill file)")
+            header = f.read(n)
+        start, end = _checksum_span(header)
+        if start < 0:
+            raise QuillFileError(f"{self.path.name} has no {_CHECKSUM_KEY}: not a .quill file (quill convert writes one)")
+        stored = header[start:end].decode("ascii", "replace")
+        actual = hashlib.sha256(header[:start] + _ZERO_SUM.encode() + header[end:]).hexdigest()
+        if stored != actual:
+            raise QuillFileError(f"{self.path.name}: header checksum mismatch (stored {stored[:12]}…, computed "
+                                 f"{actual[:12]}…): the file is corrupted; re-run `quill convert`")
+        try:
+            meta = json.loads(header)["__metadata__"]
+        except (ValueError, KeyError) as e:
+            raise QuillFileError(f"{self.path.name}: unreadable header ({e})") from e
+        if meta.get("format") != "quill":
+            raise QuillFileError(f"{self.path.name} is a safetensors file but not a .quill file")
+        version = int(meta.get("quill.format_version", "0"))
+        if version > FORMAT_VERSION:
+            raise QuillFileError(f"{self.path.name} is .quill format version {version}; this quill reads up to "
+                                 f"version {FORMAT_VERSION}: upgrade quill, or re-run `quill convert` with this one")
+        if version < 1:
+            raise QuillFileError(f"{self.path.name}: format version {meta.get('quill.format_version')!r} is not valid")
+        return meta
+
+    @property
+    def version(self) -> int:
+        return int(self.meta["quill.format_version"])
+
+    @property
+    def layout(self) -> str:
+        return self.meta.get("quill.layout", "?")
+
+    @property
+    def required_features(self) -> list[str]:
+        return [f for f in self.meta.get("quill.cpu_features", "").split(",") if f]
+
+    @property
+    def structure(self) -> list[dict]:
+        return json.loads(self.meta["quill.structure"])
+
+    def json(self, key: str, default: Any = None) -> Any:
+        text = self.meta.get(key)
+        return default if text is None else json.loads(text)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.json("quill.model_config"))
+
+    def tokenizer(self):
+        from tokenizers import Tokenizer as Backend
+
+        from quill.tokenizer import Tokenizer
+
+        raw = self.handle.get_tensor(TOKENIZER_TENSOR).numpy().tobytes()
+        if hashlib.sha256(raw).hexdigest() != self.meta.get("quill.tokenizer_sha256"):
+            raise QuillFileError(f"{self.path.name}: the tokenizer's checksum does not match: the file is corrupted")
+        settings = self.json("quill.tokenizer_settings", {})
+        return Tokenizer(Backend.from_str(raw.decode("utf-8")), special_tokens=settings.get("special_tokens", {}),
+                         extra_eos_token_ids=tuple(settings.get("eos_token_ids", ())),
+                         chat_template=settings.get("chat_template"), vocab_size=settings.get("vocab_size"))
+
+    def tensor_names(self) -> list[str]:
+        return [n for n in self.handle.keys() if not n.startswith(PAD_PREFIX)]
+
+    def data_span(self) -> tuple[int, int]:
+        """(first data byte, end of file)."""
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, self.path.stat().st_size
+
+    def verify_data(self, progress: bool = True) -> str:
+        """sha256 of every data byte, compared with the header's; QuillFileError on a mismatch."""
+        from tqdm import tqdm
+
+        start, end = self.data_span()
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as f, tqdm(total=end - start, unit="B", unit_scale=True, file=sys.stderr,
+                                             desc=f"verifying {self.path.name}", leave=False,
+                                             disable=None if progress else True) as bar:
+            f.seek(start)
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+                bar.update(len(chunk))
+        actual, stored = digest.hexdigest(), self.meta.get("quill.data_sha256")
+        if actual != stored:
+            raise QuillFileError(f"{self.path.name}: data checksum mismatch (stored {str(stored)[:12]}…, computed "
+                                 f"{actual[:12]}…): the weights are corrupted; re-run `quill convert`")
+        return actual
+
+
+def iter_tensors(obj, tile: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor an object (as a weight source returns it) holds, with its place (tiled as the amx
+    layout writes it, with `tile`): to compare two builds."""
+    table = _TensorTable(tile=tile)
+    encode(obj, table, "x")
+    yield from table.tensors.items()

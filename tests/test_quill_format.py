@@ -1,0 +1,279 @@
+"""quill's own weight file: `quill convert` round trips (GGUF and HF sources, int8, real-width K-quant
+files), outputs bit-identical to the source, weights viewed in the mapped file, refusals of damaged,
+newer and wrong-CPU files, `quill info` on a .quill file, and --cache-dir."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from quill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from quill.kernels import native, options
+from quill.llm import LLM
+from quill.models import quillfile
+from quill.models.convert import convert
+from quill.models.loader import load_model
+from quill.models.quillfile import QuillFile, QuillFileError
+from quill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason=".quill files hold the native kernels' layouts")
+
+PROMPTS = [f"Story {i}: the {w} fox" for i, w in enumerate("quick lazy brown red small old young tall wise kind "
+                                                         "calm bold shy loud slow fast".split())]
+
+
+@pytest.fixture(scope="module")
+def default_quill(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q") / "default.quill"
+    report = convert(None, path, progress=False)
+    return path, report
+
+
+def _llm(loaded, blocks=64):
+    cfg = EngineConfig(model=str(loaded.path), cache=CacheConfig(16, None, True, blocks),
+                       scheduler=SchedulerConfig(512, 16))
+    return LLM.from_engine_config(cfg, loaded)
+
+
+def _outputs(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(str(path)):
+                lo, hi = line.split()[0].split("-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+def test_model_config_round_trips_through_json(default_loaded):
+    cfgs = [default_loaded.config,
+            ModelConfig("gemma3", 10, 8, 8, 2, 2, 1, 4, 64, rope_scaling=(("factors", (1.0, 2.5)), ("rope_type", "x")),
+                        sliding_window=4, sliding_layers=(True, False), rope_layers=(True, False),
+                        eos_token_ids=(1, 2), rope_local_theta=10000.0)]
+    for cfg in cfgs:
+        assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_default_model_round_trip_is_bit_identical(default_loaded, default_quill):
+    """GGUF source: greedy and seeded sampling, batch 1 and 16, identical token for token; every weight a
+    view of the mapped file; the tokenizer, template and EOS ids as the source's."""
+    path, report = default_quill
+    assert report.file_bytes == path.stat().st_size and report.layout in quillfile.LAYOUTS
+    loaded = load_model(str(path))
+    assert loaded.file_format == "quill" and loaded.origin_format == "gguf"
+    assert loaded.config == default_loaded.config
+    tok, ref_tok = loaded.tokenizer, default_loaded.tokenizer
+    assert tok.chat_template == ref_tok.chat_template and tok.eos_token_ids == ref_tok.eos_token_ids
+    assert tok.encode("Hello <|im_end|> wörld\n") == ref_tok.encode("Hello <|im_end|> wörld\n")
+    ranges = _mapped_ranges(path.resolve())
+    weights = list(loaded.model._weight_tensors())
+    assert ranges and weights
+    assert all(any(lo <= t.data_ptr() < hi for lo, hi in ranges) for t in weights)  # nothing copied
+    assert loaded.model.resident_bytes() == default_loaded.model.resident_bytes()
+
+    quill_llm, ref_llm = _llm(loaded), _llm(default_loaded)
+    assert quill_llm.engine.kv_cache_dtype == ref_llm.engine.kv_cache_dtype == "fp16"  # the GGUF default kept
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i in range(len(PROMPTS)):
+        seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+        if i < 2:  # batch 1
+            for params in (greedy, seeded):
+                assert _outputs(quill_llm, PROMPTS[i], params) == _outputs(ref_llm, PROMPTS[i], params)
+    for params in (greedy, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)):
+        assert _outputs(quill_llm, PROMPTS, params) == _outputs(ref_llm, PROMPTS, params)  # batch 16
+
+
+def _hf_folder(tmp_path, tied: bool):
+    import transformers as tf
+
+    from test_model_parity import _byte_tokenizer_folder
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=tied)
+    tf.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
+    _byte_tokenizer_folder(tmp_path, cfg.vocab_size)
+    return tmp_path
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_hf_folder_round_trip_is_bit_identical(tmp_path, quantize):
+    """HF source (bf16 safetensors), as loaded and with --quantize int8: identical outputs, the fp32 KV default
+    of a folder kept, the generation config stored."""
+    folder = _hf_folder(tmp_path / "hf", tied=quantize is None)
+    out = tmp_path / "m.quill"
+    convert(folder, out, quantize=quantize, progress=False)
+    loaded, ref = load_model(str(out)), load_model(str(folder), quantize=quantize)
+    assert loaded.origin_format == "safetensors"
+    qf = loaded.quill_file
+    assert qf.json("quill.generation_config") == json.loads((folder / "generation_config.json").read_text())
+    assert qf.json("quill.source")["quantize"] == quantize
+    a, b = _llm(loaded), _llm(ref)
+    assert a.engine.kv_cache_dtype == "fp32"
+    for params in (SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)):
+        assert _outputs(a, PROMPTS[:4], params) == _outputs(b, PROMPTS[:4], params)
+        assert _outputs(a, PROMPTS[0], params) == _outputs(b, PROMPTS[0], params)
+
+
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q4_0"])
+def test_real_width_gguf_round_trip(tmp_path, quant):
+    """A real-width Llama 3.2 1B layer: Q4_K_M's split q/k/v (Q4_K beside Q6_K) and tied Q6_K embedding and
+    head (one tensor in the file, one in memory); Q4_0's q4 layout with its mins."""
+    from quill.bench.synth import MODELS, write_synth
+    from quill.kernels.packed import SplitWeight
+
+    src = tmp_path / f"{quant}.gguf"
+    write_synth(src, MODELS["llama-3.2-1b"], quant, num_layers=1, vocab=512)
+    out = tmp_path / f"{quant}.quill"
+    convert(src, out, progress=False)
+    loaded, ref = load_model(str(out), context_len=64), load_model(str(src), context_len=64)
+    model = loaded.model
+    if quant == "Q4_K_M":
+        assert isinstance(model.layers[0].self_attn.qkv_proj.weight, SplitWeight)
+    assert model.lm_head.weight.tensors()[0].data_ptr() == model.embed_tokens.weight.tensors()[0].data_ptr()
+    assert model.resident_bytes() == ref.model.resident_bytes()
+    assert model.resident_bytes() <= out.stat().st_size
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert _outputs(_llm(loaded, 16), PROMPTS[:3], params) == _outputs(_llm(ref, 16), PROMPTS[:3], params)
+
+
+def test_amx_layout_needs_amx(tmp_path, monkeypatch):
+    """--layout amx writes q4/q8 weights as AMX tiles (checked tile by tile after writing, on any CPU). A CPU
+    without AMX-INT8, or an engine with AMX turned off, refuses the file naming what is missing."""
+    from quill.kernels.tiled import TiledWeight
+
+    out = tmp_path / "amx.quill"
+    report = convert(None, out, layout="amx", progress=False)
+    assert report.layout == "amx"
+    qf = QuillFile(out, check_cpu=False)
+    assert qf.layout == "amx" and "amx-int8" in qf.required_features
+    assert '"t": "tiled"' in qf.meta["quill.structure"]
+    if options.hardware().amx:  # this CPU runs it: same outputs as the source
+        loaded = load_model(str(out))
+        assert isinstance(loaded.model.layers[0].mlp.down_proj.weight, TiledWeight)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert _outputs(_llm(loaded), PROMPTS[:2], params) == _outputs(_llm(load_model(None)), PROMPTS[:2], params)
+    else:
+        with pytest.raises(QuillFileError, match="lacks amx-int8.*quill convert"):
+            load_model(str(out))
+    monkeypatch.setenv("QUILL_NO_AMX", "1")
+    with pytest.raises(QuillFileError, match="amx"):
+        load_model(str(out))
+
+
+def _rewrite_header(path, edit):
+    """Rewrite a .quill header through `edit(meta)`, with a valid checksum, keeping the data where it is."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header["__metadata__"])
+    header["__metadata__"][quillfile._CHECKSUM_KEY] = quillfile._ZERO_SUM
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    assert len(raw) <= n
+    raw = quillfile._with_checksum(raw + b" " * (n - len(raw)))
+    path.write_bytes(data[:8] + raw + data[8 + n:])
+
+
+def test_damaged_newer_and_foreign_files_are_refused(tmp_path, default_quill):
+    src, _ = default_quill
+    data = src.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+
+    def file(name, content):
+        p = tmp_path / name
+        p.write_bytes(content)
+        return str(p)
+
+    with pytest.raises(QuillFileError, match="damaged|truncated"):
+        load_model(file("cut.quill", data[:-1000]))  # truncated in the weights
+    with pytest.raises(QuillFileError, match="header claims"):
+        load_model(file("cut-header.quill", data[:n // 2]))
+    with pytest.raises(QuillFileError, match="too short"):
+        load_model(file("tiny.quill", b"\x01\x02"))
+    flipped = bytearray(data)
+    at = data.index(b'"shape":[', 8) + 9
+    flipped[at] = ord("7") if flipped[at] != ord("7") else ord("8")
+    with pytest.raises(QuillFileError, match="header checksum mismatch"):
+        load_model(file("flipped.quill", bytes(flipped)))
+
+    newer = tmp_path / "newer.quill"
+    newer.write_bytes(data)
+    _rewrite_header(newer, lambda m: m.update({"quill.format_version": "99"}))
+    with pytest.raises(QuillFileError, match="format version 99.*reads up to version 1"):
+        load_model(str(newer))
+    foreign = tmp_path / "foreign.quill"
+    foreign.write_bytes(data)
+    _rewrite_header(foreign, lambda m: m.update({"quill.layout": "sme2"}))
+    with pytest.raises(QuillFileError, match="'sme2'.*re-run `quill convert`"):
+        load_model(str(foreign))
+    from safetensors.torch import save_file
+
+    plain = tmp_path / "plain.quill"
+    save_file({"w": torch.zeros(4)}, str(plain))
+    with pytest.raises(QuillFileError, match="not a .quill file"):
+        load_model(str(plain))
+
+    bad_data = bytearray(data)
+    bad_data[-5000] ^= 0xFF  # a weight byte: not read at load (that would touch every page), found by --verify
+    path = file("bad-data.quill", bytes(bad_data))
+    qf = QuillFile(path)
+    with pytest.raises(QuillFileError, match="data checksum mismatch"):
+        qf.verify_data(progress=False)
+
+
+def test_quill_info_and_convert_cli(tmp_path, capsys, default_quill):
+    from quill.cli import main
+
+    path, report = default_quill
+    assert main(["info", "-m", str(path), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "format                 quill" in out and f"{report.source_sha256}" in out
+    assert "CPU layout" in out and f"{report.data_sha256} (verified)" in out and "quill format           version 1" in out
+    assert main(["info", "--verify"]) == 1  # the GGUF default: nothing to verify, said so
+    assert "not a .quill file" in capsys.readouterr().err
+    assert main(["convert", "-o", str(path)]) == 1  # exists
+    assert "--force" in capsys.readouterr().err
+    assert main(["convert", "-o", str(tmp_path / "x.bin")]) == 1
+    assert "must end in .quill" in capsys.readouterr().err
+    assert main(["memory", "--model", str(path), "--budget", "1GiB"]) == 0
+    assert "fp16: the engine's default" in capsys.readouterr().out
+
+
+def test_cache_dir_converts_once_and_maps_afterwards(tmp_path, monkeypatch):
+    import os
+
+    from quill.bench.synth import MODELS, write_synth
+    from quill.models import convert as convert_module
+
+    src = tmp_path / "src.gguf"
+    write_synth(src, MODELS["qwen3-1.7b"], "Q8_0", num_layers=1, vocab=512)
+    cache = tmp_path / "cache"
+    first = load_model(str(src), cache_dir=str(cache), context_len=64)
+    files = sorted(cache.glob("*.quill"))
+    assert len(files) == 1 and first.file_format == "quill" and first.name == "src"
+    assert files[0].name.startswith("src-") and f"-v{quillfile.FORMAT_VERSION}-" in files[0].name
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(convert_module, "convert", no_conversion)
+    monkeypatch.setattr(convert_module, "source_sha256", no_conversion)  # the index answers for unchanged files
+    again = load_model(str(src), cache_dir=str(cache), context_len=64)
+    assert again.path == files[0]
+    os.utime(src, ns=(1, 1))  # touched, same bytes: hashed again, the same file reused
+    monkeypatch.undo()
+    monkeypatch.setattr(convert_module, "convert", no_conversion)
+    assert load_model(str(src), cache_dir=str(cache), context_len=64).path == files[0]
+    monkeypatch.undo()
+    write_synth(src, MODELS["qwen3-1.7b"], "Q4_0", num_layers=1, vocab=512)  # new content: a new file
+    assert load_model(str(src), cache_dir=str(cache), context_len=64).path != files[0]
+    assert len(list(cache.glob("*.quill"))) == 2
