@@ -25,12 +25,13 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
         module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), latency (engine vs llama.cpp), "
                                          "structured (constrained vs free decode), soak (storm + health check), "
-                                         "synth (a real-shaped GGUF with random weights)")
+                                         "synth (a real-shaped GGUF with random weights), coldstart (start-up time "
+                                         "and memory)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     if with_bench:
-        from quill.bench import accuracy, latency, serve, soak, structured, synth
+        from quill.bench import accuracy, coldstart, latency, serve, soak, structured, synth
 
-        for module in (serve, latency, structured, accuracy, soak, synth):
+        for module in (serve, latency, structured, accuracy, soak, synth, coldstart):
             module.register(bench_sub)
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     return parser

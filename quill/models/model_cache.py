@@ -75,6 +75,10 @@ def load_cached(path: Path, cache_dir: Path, device: str, quantize: str | None, 
 
     if device != "cpu":
         raise ValueError(f"--cache-dir converts to quill's CPU layouts; device {device!r} loads the source directly")
+    if quantize is not None and not path.is_dir():
+        logger.warning("--quantize %s ignored: %s is already quantized (its blocks are used as they are)",
+                       quantize, path.name)
+        quantize = None  # one cached file per GGUF source, whatever the flag
     cache_dir.mkdir(parents=True, exist_ok=True)
     sha = source_hash(path, cache_dir)
     target = cached_path(path, cache_dir, sha, quillfile.resolve_layout("auto"), quantize)
