@@ -146,7 +146,7 @@ def test_real_width_gguf_round_trip(tmp_path, quant):
     assert _outputs(_llm(loaded, 16), PROMPTS[:3], params) == _outputs(_llm(ref, 16), PROMPTS[:3], params)
 
 
-def test_amx_layout_needs_amx(tmp_path, monkeypatch):
+def test_amx_layout_needs_amx(tmp_path, monkeypatch, capsys):
     """--layout amx writes q4/q8 weights as AMX tiles (checked tile by tile after writing, on any CPU). A CPU
     without AMX-INT8, or an engine with AMX turned off, refuses the file naming what is missing."""
     from quill.kernels.tiled import TiledWeight
@@ -157,6 +157,9 @@ def test_amx_layout_needs_amx(tmp_path, monkeypatch):
     qf = QuillFile(out, check_cpu=False)
     assert qf.layout == "amx" and "amx-int8" in qf.required_features
     assert '"t": "tiled"' in qf.meta["quill.structure"]
+    amx_tensors = {n for n in qf.tensor_names()}
+    portable = QuillFile(convert(None, tmp_path / "p.quill", layout="portable", progress=False).path, check_cpu=False)
+    assert len(amx_tensors) == len(portable.tensor_names())  # the tied Q8_0 embedding and head: one tensor, tiled
     if options.hardware().amx:  # this CPU runs it: same outputs as the source
         loaded = load_model(str(out))
         assert isinstance(loaded.model.layers[0].mlp.down_proj.weight, TiledWeight)
@@ -165,6 +168,10 @@ def test_amx_layout_needs_amx(tmp_path, monkeypatch):
     else:
         with pytest.raises(QuillFileError, match="lacks amx-int8.*quill convert"):
             load_model(str(out))
+    from quill.cli import main
+
+    assert main(["info", "-m", str(out)]) == 0  # described from its header wherever it can or cannot run
+    assert ("runs on this CPU" if options.hardware().amx else "does not run here") in capsys.readouterr().out
     monkeypatch.setenv("QUILL_NO_AMX", "1")
     with pytest.raises(QuillFileError, match="amx"):
         load_model(str(out))
@@ -181,6 +188,34 @@ def _rewrite_header(path, edit):
     assert len(raw) <= n
     raw = quillfile._with_checksum(raw + b" " * (n - len(raw)))
     path.write_bytes(data[:8] + raw + data[8 + n:])
+
+
+def _edit_structure(change):
+    def edit(meta):
+        structure = json.loads(meta["quill.structure"])
+        change({r["key"]: r["obj"] for r in structure})
+        meta["quill.structure"] = json.dumps(structure)
+    return edit
+
+
+def _first_packed(specs):
+    spec = specs["linear model.layers.0.mlp.down_proj"]["weight"]
+    return spec
+
+
+_CRAFTED = {
+    "scale-is-codes": _edit_structure(lambda s: _first_packed(s).update(scale=_first_packed(s)["codes"])),
+    "q4-as-q8": _edit_structure(lambda s: _first_packed(s).update(kind="q8" if _first_packed(s)["kind"] == "q4" else "q4")),
+    "tiles-in-portable": _edit_structure(lambda s: _first_packed(s).update(t="tiled")),
+    "missing-tensor": _edit_structure(lambda s: _first_packed(s).update(codes="nowhere")),
+    "wrong-width": _edit_structure(lambda s: s["linear model.layers.0.mlp.down_proj"].update(
+        json.loads(json.dumps(s["linear model.layers.0.self_attn.o_proj"])))),  # o_proj's (576, 576) as down's
+    "unknown-kind": _edit_structure(lambda s: s["tensor model.norm.weight"].update(t="mystery")),
+    "version-1.0": lambda m: m.update({"quill.format_version": "1.0"}),
+    "config-from-the-future": lambda m: m.update({"quill.model_config": json.dumps(
+        {**json.loads(m["quill.model_config"]), "new_field": 1})}),
+    "structure-not-json": lambda m: m.update({"quill.structure": "{"}),
+}
 
 
 def test_damaged_newer_and_foreign_files_are_refused(tmp_path, default_quill):
@@ -221,6 +256,13 @@ def test_damaged_newer_and_foreign_files_are_refused(tmp_path, default_quill):
     save_file({"w": torch.zeros(4)}, str(plain))
     with pytest.raises(QuillFileError, match="not a .quill file"):
         load_model(str(plain))
+
+    for label, edit in _CRAFTED.items():  # valid checksums, inconsistent contents: refused, never run
+        crafted = tmp_path / f"{label}.quill"
+        crafted.write_bytes(data)
+        _rewrite_header(crafted, edit)
+        with pytest.raises(QuillFileError):
+            load_model(str(crafted))
 
     bad_data = bytearray(data)
     bad_data[-5000] ^= 0xFF  # a weight byte: not read at load (that would touch every page), found by --verify
@@ -277,3 +319,66 @@ def test_cache_dir_converts_once_and_maps_afterwards(tmp_path, monkeypatch):
     write_synth(src, MODELS["qwen3-1.7b"], "Q4_0", num_layers=1, vocab=512)  # new content: a new file
     assert load_model(str(src), cache_dir=str(cache), context_len=64).path != files[0]
     assert len(list(cache.glob("*.quill"))) == 2
+    monkeypatch.setattr(native, "load", lambda: None)  # no kernels: the flag is ignored, the source loads
+    assert load_model(str(src), cache_dir=str(cache), context_len=64).file_format == "gguf"
+
+
+def test_a_file_that_fails_verification_never_appears(tmp_path, monkeypatch):
+    from quill.models import convert as convert_module
+
+    def reject(path, *a, **k):
+        raise QuillFileError(f"{path.name}: rejected")
+
+    monkeypatch.setattr(convert_module, "verify", reject)
+    out = tmp_path / "m.quill"
+    with pytest.raises(QuillFileError, match="rejected"):
+        convert(None, out, progress=False)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
+
+
+def _prefill_and_decode_logits(model, cfg, prompt):
+    from test_model_parity import run_chunk
+
+    from quill.engine.block_manager import BlockManager
+    from quill.engine.kv_cache import KVCache
+    from quill.engine.model_runner import ModelRunner
+    from quill.engine.sequence import Sequence
+
+    runner = ModelRunner(model, cfg, KVCache(cfg, 64, 4, torch.float32), sampler=None)
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    seq = Sequence("r", prompt, SamplingParams())
+    out = [run_chunk(runner, bm, seq, 0, len(prompt))]
+    for _ in range(4):  # decode rows: the fused path
+        seq.append_token(int(out[-1][-1].argmax()), 0.0)
+        out.append(run_chunk(runner, bm, seq, seq.num_tokens - 1, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama3-tied", "qwen2", "qwen3", "gemma3", "olmo2", "smollm3", "phi3",
+                                  "granite"])
+def test_every_architecture_round_trips(tmp_path, kind):
+    """Each family's tiny model as llama.cpp's converter writes it: recorded, written, mapped back; the same
+    logits bit for bit through prefill and the fused decode path, and shapes that fit the config."""
+    import collections
+
+    from test_model_parity import CONTEXT_LEN, GGUF_KINDS
+    from tiny_models import make_hf_model, write_llama_gguf
+    from tokenizers import Tokenizer, models
+
+    from quill.models.gguf import GGUFModelFile
+    from quill.models.llama import LlamaForCausalLM
+    from quill.models.loader import PackedGGUFWeights
+
+    write_llama_gguf(make_hf_model(kind), tmp_path / "m.gguf", arch=GGUF_KINDS[kind])
+    gf = GGUFModelFile(tmp_path / "m.gguf")
+    cfg, ctx = gf.model_config(), CONTEXT_LEN.get(kind)
+    recorder = quillfile.RecordingWeights(PackedGGUFWeights(gf, "cpu", collections.Counter()))
+    source = LlamaForCausalLM(cfg, recorder, context_len=ctx)
+    meta = {"quill.model_config": json.dumps(cfg.to_dict()), "quill.source": json.dumps({"format": "gguf"})}
+    quillfile.write(tmp_path / "m.quill", recorder.records, meta, Tokenizer(models.BPE()).to_str(), "portable",
+                    progress=False)
+    qf = QuillFile(tmp_path / "m.quill")
+    mapped = LlamaForCausalLM(qf.model_config(), quillfile.QuillWeights(qf), context_len=ctx)
+    assert mapped.shape_errors() == [] and source.shape_errors() == []
+    prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert torch.equal(_prefill_and_decode_logits(mapped, cfg, prompt), _prefill_and_decode_logits(source, cfg, prompt))

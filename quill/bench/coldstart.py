@@ -54,7 +54,8 @@ def time_command(cmd: list[str], env: dict | None = None) -> dict:
     """Run to completion: wall seconds, peak RSS (MiB, from wait4) and quill's own 'ready' figure if printed."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    err = proc.stderr.read()
+    with proc.stderr:
+        err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0

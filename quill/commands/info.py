@@ -15,9 +15,15 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quill.models.loader import load_model
+    from quill.models.loader import resolve_model_path
+    from quill.models.quillfile import is_quill_file
 
-    loaded = load_model(args.model)
+    path = resolve_model_path(args.model)
+    loaded = _quill_file_model(path) if is_quill_file(path) else None
+    if loaded is None:
+        from quill.models.loader import load_model
+
+        loaded = load_model(args.model)
     info = describe(loaded)
     if getattr(args, "verify", False):
         if loaded.quill_file is None:
@@ -26,6 +32,19 @@ def run(args: argparse.Namespace) -> int:
     for key, value in info.items():
         print(f"{key:<22} {value}")
     return 0
+
+
+def _quill_file_model(path):
+    """A .quill file described from its header alone, on any CPU (an amx file too, where it cannot run)."""
+    from types import SimpleNamespace
+
+    from quill.models.loader import model_display_name
+    from quill.models.quillfile import QuillFile
+
+    qf = QuillFile(path, check_cpu=False)
+    return SimpleNamespace(config=qf.model_config(), name=model_display_name(path), path=path, file_format="quill",
+                           tensor_types=qf.json("quill.tensor_types", {}), file_bytes=path.stat().st_size,
+                           quill_file=qf)
 
 
 def describe(loaded) -> dict:
@@ -62,9 +81,16 @@ def quill_file_lines(qf) -> dict:
     """What a .quill file says about itself: version, layout, source and checksums."""
     source = qf.json("quill.source", {})
     quantized = f", --quantize {source['quantize']}" if source.get("quantize") else ""
+    from quill.models.quillfile import QuillFileError, check_layout
+
+    try:
+        check_layout(qf.layout, qf.required_features, qf.path)
+        runs = "runs on this CPU"
+    except QuillFileError as e:
+        runs = f"does not run here: {e}"
     return {
         "quill format": f"version {qf.version}, written by {qf.meta.get('quill.created_by', '?')}",
-        "CPU layout": f"{qf.layout} (needs {', '.join(qf.required_features)})",
+        "CPU layout": f"{qf.layout} (needs {', '.join(qf.required_features)}; {runs})",
         "source": f"{source.get('name', '?')} ({source.get('format', '?')}{quantized}, "
                   f"{source.get('bytes', 0) / 2**20:.1f} MiB)",
         "source sha256": source.get("sha256", "?"),

@@ -98,10 +98,14 @@ def convert(source_path: str | Path | None, output: str | Path, quantize: str | 
         "quill.tensor_types": json.dumps(dict(source.types)),
         "quill.created_by": f"quill {__version__}",
     }
-    written = quillfile.write(out, recorder.records, metadata, tok.hf.to_str(), layout, progress)
-    t["write"] = time.perf_counter()
-    verify(out, recorder.records, source, layout, progress)
-    t["verify"] = time.perf_counter()
+    marks = {}
+
+    def check(tmp: Path) -> None:  # before the rename: a file that fails never appears at `out`
+        marks["write"] = time.perf_counter()
+        verify(tmp, recorder.records, source, layout, progress)
+
+    written = quillfile.write(out, recorder.records, metadata, tok.hf.to_str(), layout, progress, check=check)
+    t["write"], t["verify"] = marks["write"], time.perf_counter()
     phases = ("hash", "build", "write", "verify")
     prev = ("start", *phases)
     return ConvertReport(out, src, layout, written.bytes, source.file_bytes, written.tensors, sha,
@@ -115,13 +119,11 @@ def verify(path: Path, records: list, source, layout: str, progress: bool = True
     qf.verify_data(progress)
     if qf.model_config() != source.config:
         raise quillfile.QuillFileError(f"{path.name}: the stored model config differs from the source's")
-    specs = {r["key"]: r["obj"] for r in qf.structure}
-
     def get(name):
         return None if name is None else qf.handle.get_tensor(name)
 
     for key, obj in records:
-        rebuilt = quillfile.decode(specs[key], get, None)
+        rebuilt = quillfile.decode(qf.specs[key], get, None, tiles=layout == "amx")
         want = dict(quillfile.iter_tensors(obj, tile=layout == "amx"))
         got = dict(quillfile.iter_tensors(rebuilt))
         if want.keys() != got.keys() or not all(_same(want[k], got[k]) for k in want):

@@ -192,6 +192,34 @@ class LlamaForCausalLM(nn.Module):
         norms = {role: self._norm(weights, p + name + ".weight") for role, name in self.spec.norm_names.items()}
         return DecoderLayer(attn, mlp, norms, cfg.residual_multiplier)
 
+    def shape_errors(self) -> list[str]:
+        """Each weight whose shape the config contradicts (a .quill file is checked with this before it runs:
+        the kernels read activations by the weights' widths)."""
+        c = self.config
+        h, i, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        q, kv = c.num_heads * hd, c.num_kv_heads * hd
+        linears, vectors = [("lm_head", self.lm_head, (None, h))], [("model.norm", self.norm, h)]
+        emb = self.embed_tokens.weight
+        if (emb.cols if isinstance(emb, GroupWeight) else emb.shape[1]) != h:
+            linears.append(("embedding", None, (None, h)))
+        for n, layer in enumerate(self.layers):
+            a, m = layer.self_attn, layer.mlp
+            linears += [(f"layer {n} qkv", a.qkv_proj, (q + 2 * kv, h)), (f"layer {n} o_proj", a.o_proj, (h, q)),
+                        (f"layer {n} gate_up", m.gate_up_proj, (2 * i, h)), (f"layer {n} down_proj", m.down_proj, (h, i))]
+            vectors += [(f"layer {n} {role}", getattr(layer, role), h)
+                        for role in ("attn_in", "attn_out", "mlp_in", "mlp_out") if getattr(layer, role) is not None]
+            if a.q_norm is not None:
+                full = c.qk_norm == "full"
+                vectors += [(f"layer {n} q_norm", a.q_norm, q if full else hd), (f"layer {n} k_norm", a.k_norm, kv if full else hd)]
+        errors = []
+        for name, mod, (rows, cols) in linears:
+            got = (None, None) if mod is None else (mod.out_features, mod.in_features)
+            if mod is None or got[1] != cols or (rows is not None and got[0] != rows):
+                errors.append(f"{name} is {got}, the config needs ({rows or 'any'}, {cols})")
+        errors += [f"{name} has {tuple(norm.weight.shape)}, the config needs ({size},)"
+                   for name, norm, size in vectors if tuple(norm.weight.shape) != (size,)]
+        return errors
+
     def resident_bytes(self) -> int:
         """Bytes of weights held in memory: every distinct tensor counted once (tied heads share)."""
         seen: dict[int, int] = {}

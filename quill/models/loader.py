@@ -140,6 +140,10 @@ def load_quill(path: Path, device: str = "cpu", context_len: int | None = None, 
     tokenizer = qfile.tokenizer()
     t2 = time.perf_counter()
     model = LlamaForCausalLM(cfg, QuillWeights(qfile), device=device, context_len=context_len)
+    errors = model.shape_errors()
+    if errors:
+        raise QuillFileError(f"{path.name}: weights do not fit the stored config ({'; '.join(errors[:3])}): the file "
+                             "is damaged or was not written by quill convert")
     t3 = time.perf_counter()
     source = qfile.json("quill.source", {})
     return LoadedModel(cfg, model, tokenizer, path, name or model_display_name(path), "quill",

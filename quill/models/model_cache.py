@@ -1,7 +1,8 @@
 """--cache-dir: a GGUF file or Hugging Face folder converted to .quill on first use, mapped afterwards.
 
-A cached file is named `<source name>-<first 16 hex of the source's sha256>-v<format version>-<layout>[-int8].quill`,
-so it is keyed by the source's content, the format version and the CPU layout (and --quantize). Hashing a
+A cached file is named `<source name>-<first 16 hex of the source's sha256>-v<format version>-q<quill version>-
+<layout>[-int8].quill`, so it is keyed by the source's content, the format and quill versions and the CPU layout
+(and --quantize). Hashing a
 multi-GB source at every start would cost seconds, so `index.json` in the folder remembers each source's
 sha256 under its path, size, mtime and inode; a source that changed is hashed again. Clearing the cache is
 deleting the folder (or any of its files); nothing else refers to them.
@@ -64,17 +65,25 @@ def source_hash(path: Path, cache_dir: Path) -> str:
 
 
 def cached_path(path: Path, cache_dir: Path, sha: str, layout: str, quantize: str | None) -> Path:
+    """<source>-<sha256 prefix>-v<format>-q<quill version>-<layout>[-int8].quill: a new quill converts again, so a
+    loader fix that leaves the format version alone never serves an old conversion."""
+    from quill import __version__
+
     stem = path.stem if path.is_file() else path.name
-    return cache_dir / f"{stem}-{sha[:16]}-v{quillfile.FORMAT_VERSION}-{layout}{'-' + quantize if quantize else ''}.quill"
+    return cache_dir / (f"{stem}-{sha[:16]}-v{quillfile.FORMAT_VERSION}-q{__version__}-{layout}"
+                        f"{'-' + quantize if quantize else ''}.quill")
 
 
 def load_cached(path: Path, cache_dir: Path, device: str, quantize: str | None, context_len: int | None):
     """Map the cached conversion of `path`, converting it first when it is missing or unreadable."""
+    from quill.kernels import native
     from quill.models.convert import convert
-    from quill.models.loader import load_quill, model_display_name
+    from quill.models.loader import build, load_quill, model_display_name, open_source
 
-    if device != "cpu":
-        raise ValueError(f"--cache-dir converts to quill's CPU layouts; device {device!r} loads the source directly")
+    if device != "cpu" or native.load() is None:  # nothing to convert to: the source, loaded as without the flag
+        logger.warning("--cache-dir ignored: .quill files hold quill's CPU kernels' layouts, and %s",
+                       f"device {device!r} was asked for" if device != "cpu" else "the kernels are not available here")
+        return build(open_source(path, device, quantize), device, context_len)
     if quantize is not None and not path.is_dir():
         logger.warning("--quantize %s ignored: %s is already quantized (its blocks are used as they are)",
                        quantize, path.name)

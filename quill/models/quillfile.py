@@ -95,15 +95,22 @@ class QuillWeights:
 
         self.qfile = qfile
         self.workspace = Workspace()
-        self.specs = {r["key"]: r["obj"] for r in qfile.structure}
+        self.specs = qfile.specs
+        self.tiles = qfile.layout == "amx"
         self._tensors: dict[str, torch.Tensor] = {}
+        self._names = set(qfile.handle.keys())
 
     def _get(self, name: str | None) -> torch.Tensor | None:
         if name is None:
             return None
+        if name not in self._names or name.startswith(PAD_PREFIX):
+            raise QuillFileError(f"{self.qfile.path.name}: the structure names a tensor {name!r} the file lacks")
         if name not in self._tensors:
             self._tensors[name] = self.qfile.handle.get_tensor(name)
         return self._tensors[name]
+
+    def _decode(self, key: str):
+        return decode(self._spec(key), self._get, self.workspace, self.tiles)
 
     def _spec(self, key: str) -> dict:
         spec = self.specs.get(key)
@@ -113,16 +120,16 @@ class QuillWeights:
         return spec
 
     def tensor(self, name: str):
-        return decode(self._spec(_key("tensor", name)), self._get, self.workspace)
+        return self._decode(_key("tensor", name))
 
     def linear(self, names: list[str], has_bias: bool):
-        return decode(self._spec(_key("linear", *names, bias=has_bias)), self._get, self.workspace)
+        return self._decode(_key("linear", *names, bias=has_bias))
 
     def embedding(self, name: str):
-        return decode(self._spec(_key("embedding", name)), self._get, self.workspace)
+        return self._decode(_key("embedding", name))
 
     def tied_head(self, embedding):
-        return decode(self._spec(_key("tied_head")), self._get, self.workspace)
+        return self._decode(_key("tied_head"))
 
 
 # ---- objects <-> (structure, tensors) -----------------------------------------------------------------
@@ -177,8 +184,9 @@ def _encode_weight(w, table: _TensorTable, name: str, top: bool = False) -> dict
     from quill.kernels.packed import PackedWeight, SplitWeight
     from quill.kernels.tiled import TiledWeight, tile_weight
 
-    if id(w) in table._weights:
-        return table._weights[id(w)]
+    original = id(w)  # a weight met again (a tied head) reuses its spec, tiled or not
+    if original in table._weights:
+        return table._weights[original]
     if top and table.tile and isinstance(w, PackedWeight):
         w = tile_weight(w) or w  # exactly tiled.for_cpu's rule: whole q4/q8 weights whose shape fits
     if isinstance(w, TiledWeight) or isinstance(w, PackedWeight):
@@ -191,44 +199,92 @@ def _encode_weight(w, table: _TensorTable, name: str, top: bool = False) -> dict
         spec = {"t": "split", "parts": [_encode_weight(p, table, f"{name}.{i}") for i, p in enumerate(w.parts)]}
     else:
         raise TypeError(f"{name}: a {type(w).__name__} weight has no .quill encoding")
-    table._weights[id(w)] = spec
+    table._weights[original] = spec
     return spec
 
 
-def decode(spec: dict, get: Callable[[str | None], torch.Tensor | None], workspace):
-    """A spec and a tensor getter -> the object the source's weight source had built."""
+def decode(spec: dict, get: Callable[[str | None], torch.Tensor | None], workspace, tiles: bool = True):
+    """A spec and a tensor getter -> the object the source's weight source had built. Every tensor's dtype and
+    shape is checked against its role first (the kernels take raw pointers: a mismatch must be a refusal, not
+    a read past an array); `tiles` False refuses AMX tiles (a portable file holds none)."""
     from quill.kernels.linear import DenseLinear
     from quill.kernels.packed import DenseEmbedding, PackedEmbedding, PackedLinear
 
-    kind = spec["t"]
+    kind = spec.get("t")
     if kind == "tensor":
-        return get(spec["data"])
+        return _checked(get(spec["data"]), torch.float32, 1, "a norm weight")
     if kind == "dense_linear":
-        return DenseLinear(get(spec["weight"]), get(spec["bias"]))
+        weight = _checked(get(spec["weight"]), torch.float32, 2, "a dense weight")
+        return DenseLinear(weight, _bias(get(spec["bias"]), weight.shape[0]))
     if kind == "packed_linear":
-        return PackedLinear(_decode_weight(spec["weight"], get), get(spec["bias"]), workspace)
+        weight = _decode_weight(spec["weight"], get, tiles)
+        return PackedLinear(weight, _bias(get(spec["bias"]), weight.rows), workspace)
     if kind == "packed_embedding":
-        return PackedEmbedding(_decode_weight(spec["weight"], get))
+        return PackedEmbedding(_decode_weight(spec["weight"], get, tiles))
     if kind == "dense_embedding":
-        return DenseEmbedding(get(spec["weight"]))
+        return DenseEmbedding(_checked(get(spec["weight"]), torch.float32, 2, "an embedding"))
     raise QuillFileError(f"unknown object kind {kind!r} in the file's structure")
 
 
-def _decode_weight(spec: dict, get):
+def _checked(t: torch.Tensor | None, dtypes, ndim: int, role: str, shape: tuple | None = None) -> torch.Tensor:
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if t is None or t.dtype not in dtypes or t.dim() != ndim or (shape is not None and tuple(t.shape) != shape):
+        got = "nothing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+        want = "/".join(str(d) for d in dtypes) + (f" {shape}" if shape is not None else f" with {ndim} dims")
+        raise QuillFileError(f"the file's structure gives {role} {got}, not {want}: the file is damaged or was not "
+                             "written by quill convert")
+    return t
+
+
+def _bias(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    return None if t is None else _checked(t, torch.float32, 1, "a bias", (rows,))
+
+
+def _decode_weight(spec: dict, get, tiles: bool = True):
     from gguf import GGMLQuantizationType
 
-    from quill.kernels.kquant import BlockWeight
-    from quill.kernels.packed import PackedWeight, SplitWeight
-    from quill.kernels.tiled import TiledWeight
+    from quill.kernels.kquant import BLOCK_BYTES, KINDS, BlockWeight
+    from quill.kernels.packed import GROUP, PackedWeight, SplitWeight
+    from quill.kernels.tiled import CHUNK, ROWS, TiledWeight
 
-    kind = spec["t"]
+    kind = spec.get("t")
     if kind in ("packed", "tiled"):
-        cls = PackedWeight if kind == "packed" else TiledWeight
-        return cls(spec["kind"], get(spec["codes"]), get(spec["scale"]), get(spec["mins"]))
+        if spec.get("kind") not in ("q4", "q8"):
+            raise QuillFileError(f"unknown packed layout {spec.get('kind')!r} in the file's structure")
+        q4 = spec["kind"] == "q4"
+        code_type = torch.uint8 if q4 else torch.int8
+        if kind == "packed":
+            scale = _checked(get(spec["scale"]), torch.float32, 2, "a group scale")
+            rows, groups = scale.shape
+            codes = _checked(get(spec["codes"]), code_type, 2, "q4/q8 codes", (rows, groups * (16 if q4 else GROUP)))
+            mins = get(spec["mins"])
+            return PackedWeight(spec["kind"], codes, scale,
+                                None if mins is None else _checked(mins, torch.float32, 2, "group mins", (rows, groups)))
+        if not tiles:
+            raise QuillFileError("the file's structure holds AMX tiles but its layout is not 'amx'")
+        scale = _checked(get(spec["scale"]), (torch.float16, torch.float32), 3, "a tile scale")
+        blocks, groups, _ = scale.shape
+        if scale.shape[2] != ROWS or (groups * GROUP) % CHUNK:
+            raise QuillFileError(f"the file's structure gives tile scales of shape {tuple(scale.shape)}")
+        codes = _checked(get(spec["codes"]), code_type, 3, "AMX tiles",
+                         (blocks, groups * GROUP // CHUNK, 512 if q4 else 1024))
+        mins = get(spec["mins"])
+        return TiledWeight(spec["kind"], codes, scale,
+                           None if mins is None else _checked(mins, scale.dtype, 3, "tile mins", tuple(scale.shape)))
     if kind == "blocks":
-        return BlockWeight(GGMLQuantizationType[spec["qtype"]], get(spec["blocks"]))
+        qtype = getattr(GGMLQuantizationType, str(spec.get("qtype")), None)
+        if qtype not in KINDS:
+            raise QuillFileError(f"block type {spec.get('qtype')!r} in the file's structure has no kernel here")
+        blocks = _checked(get(spec["blocks"]), torch.uint8, 2, f"{qtype.name} blocks")
+        if blocks.shape[1] == 0 or blocks.shape[1] % BLOCK_BYTES[qtype]:
+            raise QuillFileError(f"{qtype.name} rows of {blocks.shape[1]} bytes are not whole blocks")
+        return BlockWeight(qtype, blocks)
     if kind == "split":
-        return SplitWeight([_decode_weight(p, get) for p in spec["parts"]])
+        parts = [_decode_weight(p, get, tiles) for p in spec.get("parts") or []]
+        if not parts or len({p.cols for p in parts}) != 1 or any(isinstance(p, TiledWeight) for p in parts):
+            raise QuillFileError("a split projection in the file's structure has no parts, parts of different "
+                                 "widths, or tiled parts")
+        return SplitWeight(parts)
     raise QuillFileError(f"unknown weight kind {kind!r} in the file's structure")
 
 
@@ -304,9 +360,10 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 def write(path: str | Path, records: list[tuple[str, object]], metadata: dict[str, str], tokenizer_json: str,
-          layout: str, progress: bool = True) -> Written:
-    """Write records (from RecordingWeights) and metadata (string values) as one .quill file, atomically
-    (a temporary file in the same folder, renamed when complete)."""
+          layout: str, progress: bool = True, check: Callable[[Path], None] | None = None) -> Written:
+    """Write records (from RecordingWeights) and metadata (string values) as one .quill file, atomically:
+    a temporary file in the same folder, passed to `check` (which raises to reject it), then renamed, so a
+    file at `path` is always complete and checked."""
     from tqdm import tqdm
 
     path = Path(path)
@@ -359,6 +416,8 @@ def write(path: str | Path, records: list[tuple[str, object]], metadata: dict[st
                 f.write(bytes(pad))
                 f.write(_raw(t))
                 bar.update(pad + t.numel() * t.element_size())
+        if check is not None:
+            check(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -395,6 +454,14 @@ class QuillFile:
 
         self.path = Path(path)
         self.meta = self._read_metadata()
+        try:  # what every load reads, parsed once; anything malformed is a refusal, never another exception
+            self.specs: dict[str, dict] = {r["key"]: r["obj"] for r in json.loads(self.meta["quill.structure"])}
+            self.config = ModelConfig.from_dict(json.loads(self.meta["quill.model_config"]))
+            if not all(isinstance(s, dict) for s in self.specs.values()):
+                raise TypeError("a structure entry is not an object")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise QuillFileError(f"{self.path.name}: unreadable metadata ({type(e).__name__}: {e}); "
+                                 "re-run `quill convert`") from e
         try:
             self.handle = safe_open(str(self.path), framework="pt", device="cpu")
         except SafetensorError as e:  # byte ranges past the end, gaps, a bad dtype
@@ -423,11 +490,14 @@ class QuillFile:
                                  f"{actual[:12]}…): the file is corrupted; re-run `quill convert`")
         try:
             meta = json.loads(header)["__metadata__"]
-        except (ValueError, KeyError) as e:
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise TypeError("__metadata__ must map strings to strings")
+        except (ValueError, KeyError, TypeError) as e:
             raise QuillFileError(f"{self.path.name}: unreadable header ({e})") from e
         if meta.get("format") != "quill":
             raise QuillFileError(f"{self.path.name} is a safetensors file but not a .quill file")
-        version = int(meta.get("quill.format_version", "0"))
+        text = meta.get("quill.format_version", "")
+        version = int(text) if text.isdigit() else 0
         if version > FORMAT_VERSION:
             raise QuillFileError(f"{self.path.name} is .quill format version {version}; this quill reads up to "
                                  f"version {FORMAT_VERSION}: upgrade quill, or re-run `quill convert` with this one")
@@ -437,7 +507,7 @@ class QuillFile:
 
     @property
     def version(self) -> int:
-        return int(self.meta["quill.format_version"])
+        return int(self.meta["quill.format_version"])  # checked to be digits when the header was read
 
     @property
     def layout(self) -> str:
@@ -447,26 +517,29 @@ class QuillFile:
     def required_features(self) -> list[str]:
         return [f for f in self.meta.get("quill.cpu_features", "").split(",") if f]
 
-    @property
-    def structure(self) -> list[dict]:
-        return json.loads(self.meta["quill.structure"])
-
     def json(self, key: str, default: Any = None) -> Any:
         text = self.meta.get(key)
-        return default if text is None else json.loads(text)
+        if text is None:
+            return default
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise QuillFileError(f"{self.path.name}: metadata {key} is not JSON ({e})") from e
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_dict(self.json("quill.model_config"))
+        return self.config
 
     def tokenizer(self):
         from tokenizers import Tokenizer as Backend
 
         from quill.tokenizer import Tokenizer
 
+        settings = self.json("quill.tokenizer_settings", {})
+        if TOKENIZER_TENSOR not in self.handle.keys() or not isinstance(settings, dict):
+            raise QuillFileError(f"{self.path.name} lacks its tokenizer; re-run `quill convert`")
         raw = self.handle.get_tensor(TOKENIZER_TENSOR).numpy().tobytes()
         if hashlib.sha256(raw).hexdigest() != self.meta.get("quill.tokenizer_sha256"):
             raise QuillFileError(f"{self.path.name}: the tokenizer's checksum does not match: the file is corrupted")
-        settings = self.json("quill.tokenizer_settings", {})
         return Tokenizer(Backend.from_str(raw.decode("utf-8")), special_tokens=settings.get("special_tokens", {}),
                          extra_eos_token_ids=tuple(settings.get("eos_token_ids", ())),
                          chat_template=settings.get("chat_template"), vocab_size=settings.get("vocab_size"))
