@@ -76,6 +76,7 @@ def test_default_model_round_trip_is_bit_identical(default_loaded, default_quill
     weights = list(loaded.model._weight_tensors())
     assert ranges and weights
     assert all(any(lo <= t.data_ptr() < hi for lo, hi in ranges) for t in weights)  # nothing copied
+    assert all(any(lo <= r.cos.data_ptr() < hi for lo, hi in ranges) for r in loaded.model.ropes.values())
     assert loaded.model.resident_bytes() == default_loaded.model.resident_bytes()
 
     quill_llm, ref_llm = _llm(loaded), _llm(default_loaded)
@@ -375,10 +376,15 @@ def test_every_architecture_round_trips(tmp_path, kind):
     recorder = quillfile.RecordingWeights(PackedGGUFWeights(gf, "cpu", collections.Counter()))
     source = LlamaForCausalLM(cfg, recorder, context_len=ctx)
     meta = {"quill.model_config": json.dumps(cfg.to_dict()), "quill.source": json.dumps({"format": "gguf"})}
-    quillfile.write(tmp_path / "m.quill", recorder.records, meta, Tokenizer(models.BPE()).to_str(), "portable",
-                    progress=False)
+    records = recorder.records + quillfile.rope_records(cfg)
+    quillfile.write(tmp_path / "m.quill", records, meta, Tokenizer(models.BPE()).to_str(), "portable", progress=False)
     qf = QuillFile(tmp_path / "m.quill")
     mapped = LlamaForCausalLM(qf.model_config(), quillfile.QuillWeights(qf), context_len=ctx)
     assert mapped.shape_errors() == [] and source.shape_errors() == []
+    ranges = _mapped_ranges((tmp_path / "m.quill").resolve())
+    in_file = [any(lo <= r.cos.data_ptr() < hi for lo, hi in ranges) for r in mapped.ropes.values()]
+    # the stored whole-context tables serve every family, but LongRoPE served within its original context
+    # (phi3 here: 64 of 256) takes the short factors, so those are computed
+    assert in_file == [kind != "phi3"] * len(mapped.ropes)
     prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     assert torch.equal(_prefill_and_decode_logits(mapped, cfg, prompt), _prefill_and_decode_logits(source, cfg, prompt))

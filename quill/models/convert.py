@@ -98,13 +98,14 @@ def convert(source_path: str | Path | None, output: str | Path, quantize: str | 
         "quill.tensor_types": json.dumps(dict(source.types)),
         "quill.created_by": f"quill {__version__}",
     }
+    records = recorder.records + quillfile.rope_records(source.config)  # whole-context tables: mapped, not computed
     marks = {}
 
     def check(tmp: Path) -> None:  # before the rename: a file that fails never appears at `out`
         marks["write"] = time.perf_counter()
-        verify(tmp, recorder.records, source, layout, progress)
+        verify(tmp, records, source, layout, progress)
 
-    written = quillfile.write(out, recorder.records, metadata, tok.hf.to_str(), layout, progress, check=check)
+    written = quillfile.write(out, records, metadata, tok.hf.to_str(), layout, progress, check=check)
     t["write"], t["verify"] = marks["write"], time.perf_counter()
     phases = ("hash", "build", "write", "verify")
     prev = ("start", *phases)

@@ -151,12 +151,14 @@ class LlamaForCausalLM(nn.Module):
         max_pos = max(min(context_len or cfg.max_position_embeddings, cfg.max_position_embeddings), 1)
         self.context_len = max_pos  # positions the RoPE tables cover: the engine serves no longer context
         self.ropes: dict[tuple, RotaryEmbedding] = {}  # one table per distinct (base, scaling)
+        stored = getattr(weights, "rope_tables", None)  # a .quill file's, computed when it was written
         for i in range(cfg.num_layers):
             key = cfg.layer_rope(i)
             if key is not None and key not in self.ropes:
                 theta, scaling = key
-                self.ropes[key] = RotaryEmbedding(cfg.head_dim, max_pos, theta, dict(scaling) if scaling else None,
-                                                  device, cfg.rotary_dim)
+                tables = stored(key, max_pos) if stored is not None else None
+                self.ropes[key] = RotaryEmbedding.from_tables(*tables) if tables else RotaryEmbedding(
+                    cfg.head_dim, max_pos, theta, dict(scaling) if scaling else None, device, cfg.rotary_dim)
         self.embed_tokens = weights.embedding("model.embed_tokens.weight")
         layers = []
         for i in range(cfg.num_layers):

@@ -82,6 +82,35 @@ class RecordingWeights:
         return self._keep(_key("tied_head"), self.inner.tied_head(embedding))
 
 
+@dataclass
+class RopeTables:
+    """A model's cos/sin tables for one (base, scaling), for its whole context: stored so a load maps them
+    (shared between processes, touched row by row) instead of computing 128k positions at every start."""
+
+    theta: float
+    scaling: tuple | None  # ModelConfig's frozen items
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rope_records(cfg: ModelConfig) -> list[tuple[str, RopeTables]]:
+    """The tables of every distinct RoPE in a model, computed for its whole context (quill convert)."""
+    from quill.models.rope import RotaryEmbedding
+
+    keys = list(dict.fromkeys(k for k in (cfg.layer_rope(i) for i in range(cfg.num_layers)) if k is not None))
+    out = []
+    for n, (theta, scaling) in enumerate(keys):
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, dict(scaling) if scaling else None,
+                               "cpu", cfg.rotary_dim)
+        out.append((f"rope {n}", RopeTables(theta, scaling, rope.cos, rope.sin)))
+    return out
+
+
+def _frozen(scaling) -> tuple | None:
+    """A scaling as JSON gave it back (lists) -> the config's frozen items (tuples)."""
+    return None if scaling is None else tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling)
+
+
 def _key(kind: str, *names: str, bias: bool = False) -> str:
     return " ".join((kind, ",".join(names), "bias" if bias else "")).strip()
 
@@ -111,6 +140,26 @@ class QuillWeights:
 
     def _decode(self, key: str):
         return decode(self._spec(key), self._get, self.workspace, self.tiles)
+
+    def rope_tables(self, key: tuple, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored cos/sin for a (base, scaling), cut to `positions` rows, where they equal what would be
+        computed for that many (models/rope.tables_fit); None: compute them."""
+        from quill.models.rope import tables_fit
+
+        theta, scaling = key
+        width = self.qfile.config.rotary_width
+        for spec_key, spec in self.specs.items():
+            if spec.get("t") != "rope" or spec.get("theta") != theta or _frozen(spec.get("scaling")) != scaling:
+                continue
+            tables = decode(spec, self._get, self.workspace)
+            rows = tables.cos.shape[0]
+            if tables.cos.shape[1] != width:
+                raise QuillFileError(f"{self.qfile.path.name}: RoPE tables {spec_key!r} are {tables.cos.shape[1]} "
+                                     f"wide; the model rotates {width} dims")
+            if not tables_fit(dict(scaling) if scaling else None, rows, positions):
+                return None
+            return tables.cos[:positions], tables.sin[:positions]
+        return None
 
     def _spec(self, key: str) -> dict:
         spec = self.specs.get(key)
@@ -176,6 +225,9 @@ def encode(obj, table: _TensorTable, name: str) -> dict:
         return {"t": "packed_embedding", "weight": _encode_weight(obj.weight, table, name + ".weight", top=True)}
     if isinstance(obj, DenseEmbedding):
         return {"t": "dense_embedding", "weight": table.put(name + ".weight", obj.weight.data)}
+    if isinstance(obj, RopeTables):
+        return {"t": "rope", "theta": obj.theta, "scaling": obj.scaling,
+                "cos": table.put(name + ".cos", obj.cos), "sin": table.put(name + ".sin", obj.sin)}
     raise TypeError(f"{name}: a {type(obj).__name__} has no .quill encoding")
 
 
@@ -223,6 +275,10 @@ def decode(spec: dict, get: Callable[[str | None], torch.Tensor | None], workspa
         return PackedEmbedding(_decode_weight(spec["weight"], get, tiles))
     if kind == "dense_embedding":
         return DenseEmbedding(_checked(get(spec["weight"]), torch.float32, 2, "an embedding"))
+    if kind == "rope":
+        cos = _checked(get(spec["cos"]), torch.float32, 2, "a RoPE table")
+        sin = _checked(get(spec["sin"]), torch.float32, 2, "a RoPE table", tuple(cos.shape))
+        return RopeTables(spec["theta"], _frozen(spec.get("scaling")), cos, sin)
     raise QuillFileError(f"unknown object kind {kind!r} in the file's structure")
 
 
@@ -370,7 +426,8 @@ def write(path: str | Path, records: list[tuple[str, object]], metadata: dict[st
     table = _TensorTable(tile=layout == "amx")
     structure = []
     for key, obj in records:
-        name = key.split(" ", 1)[1].split(" ")[0].replace(",", "+") if " " in key else key
+        kind, _, rest = key.partition(" ")
+        name = f"{kind}.{rest}" if kind == "rope" else rest.split(" ")[0].replace(",", "+") or kind
         structure.append({"key": key, "obj": encode(obj, table, name or key)})
     tok_bytes = tokenizer_json.encode("utf-8")
     tensors = dict(table.tensors)

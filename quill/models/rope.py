@@ -117,6 +117,15 @@ class RotaryEmbedding:
         self.dim = dim
         self.half = dim // 2
 
+    @classmethod
+    def from_tables(cls, cos: torch.Tensor, sin: torch.Tensor) -> "RotaryEmbedding":
+        """Tables computed before (a .quill file's, mapped): (positions, rotary_dim) each, used as they are."""
+        rope = cls.__new__(cls)
+        rope.cos, rope.sin = cos, sin
+        rope.dim = cos.shape[1]
+        rope.half = rope.dim // 2
+        return rope
+
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q (T, H, hd), k (T, KVH, hd), positions (T,) -> rotated q, k."""
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, dim)
@@ -128,3 +137,15 @@ class RotaryEmbedding:
         x1, x2 = rot[..., : self.half], rot[..., self.half :]
         out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
         return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def tables_fit(scaling: dict | None, rows: int, positions: int) -> bool:
+    """Whether tables computed for `rows` positions, cut to the first `positions`, are exactly the tables
+    computed for `positions`: each row depends on its position alone, except LongRoPE's choice of short or
+    long factors, which follows the context served."""
+    if positions > rows:
+        return False
+    if scaling and scaling.get("rope_type") == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        return (rows > original) == (positions > original)
+    return True
