@@ -49,3 +49,14 @@ def line(import_ms: float | None, phases: dict, ready_ms: float | None, torch_ms
     if "warmup_ms" in phases:
         parts.append(f"warm-up {_ms(phases['warmup_ms'])}")
     return f"cold start: {', '.join(parts)}, ready {_ms(ready_ms)} after process start"
+
+
+SLOW_LOAD_MS = 3000.0  # a GGUF or folder load this slow earns the hint below
+
+
+def hint(phases: dict) -> str | None:
+    """A line for a slow GGUF or folder load: the same model as a .quill file maps in well under a second."""
+    if phases.get("load_format") in ("gguf", "safetensors") and (phases.get("load_ms") or 0.0) >= SLOW_LOAD_MS:
+        return (f"loading the {phases['load_format']} weights took {_ms(phases['load_ms'])}; `quill convert MODEL -o "
+                "NAME.quill` (or --cache-dir DIR) writes a file that maps in well under a second")
+    return None

@@ -38,3 +38,17 @@ def test_coldstart_refusals(capsys, monkeypatch):
     assert "--commands takes generate, serve" in capsys.readouterr().err
     assert main(["bench", "coldstart", "--models", "/nonexistent.gguf"]) == 1
     assert main(["bench", "coldstart", "--runs", "0"]) == 1
+
+
+def test_cold_start_line_and_slow_load_hint():
+    from quill import coldstart
+
+    phases = {"load_ms": 300, "load_format": "quill", "load_phases": {"map": 1, "tokenizer": 200, "model": 20},
+              "engine_ms": 10, "warmup_ms": 150}
+    line = coldstart.line(2000, phases, 2500, torch_ms=1500)
+    assert line == ("cold start: import 2.00 s (torch 1.50 s), weights 0.30 s (quill: map 0.00 s, tokenizer 0.20 s, "
+                    "model 0.02 s), engine 0.01 s, warm-up 0.15 s, ready 2.50 s after process start")
+    assert "warm-up" not in coldstart.line(None, {"load_ms": 9000, "load_format": "gguf"}, None)
+    assert coldstart.hint(phases) is None and coldstart.hint({"load_format": "gguf", "load_ms": 100}) is None
+    assert "quill convert" in coldstart.hint({"load_format": "gguf", "load_ms": 9400})
+    assert coldstart.process_age_ms() > 0

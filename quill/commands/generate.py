@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM.from_engine_config(engine_config_from_args(args))
     freeze_heap()  # the command owns its process
     print(coldstart.line(import_ms, llm.engine.cold_start, coldstart.process_age_ms(), torch_ms), file=sys.stderr)
+    if tip := coldstart.hint(llm.engine.cold_start):
+        print(f"tip: {tip}", file=sys.stderr)
     if args.prompts_file:
         return _run_file(llm, args)
     params = sampling_params_from_args(args)

@@ -87,6 +87,8 @@ def _load_engine(state, config, server: DrainingServer) -> None:
     ready_ms = process_age_ms()
     cold_line = coldstart.line(import_ms, cold, ready_ms, torch_ms)
     logger.info("%s", cold_line)
+    if tip := coldstart.hint(cold):
+        cold_line += f"\nquill: tip: {tip}"
     while not server.started and not server.should_exit:
         time.sleep(0.05)
     if server.started:
