@@ -190,6 +190,42 @@ def test_hf_folder_end_to_end_matches_transformers(tmp_path):
     assert out.outputs[0].token_ids == ref
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_folder_stays_16_bit_and_matches_transformers(tmp_path, dtype):
+    """A bf16 or fp16 folder keeps its matrices 16-bit (GGUF's BF16/F16 blocks over the file's bytes: half the
+    memory of fp32) and still agrees with transformers run on the same weights in fp32."""
+    import transformers as tf
+
+    from quill.kernels.kquant import BlockWeight
+    from quill.llm import LLM
+
+    if native.load() is None:
+        pytest.skip("16-bit weights need the native kernels")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=dtype == torch.bfloat16)
+    tf.LlamaForCausalLM(cfg).to(dtype).save_pretrained(tmp_path, safe_serialization=True)
+    _byte_tokenizer_folder(tmp_path, cfg.vocab_size)
+    hf = tf.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()  # the same values, fp32
+    llm = LLM(str(tmp_path), kv_cache_memory=8 << 20)
+    model = llm.engine.loaded.model
+    assert isinstance(model.layers[0].mlp.down_proj.weight, BlockWeight)
+    assert isinstance(model.embed_tokens.weight, BlockWeight)
+    fp32_bytes = sum(p.numel() * 4 for p in hf.parameters())
+    assert model.resident_bytes() < 0.6 * fp32_bytes
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+        logits = hf(torch.tensor([ids])).logits[0, -1]
+    assert out.outputs[0].token_ids == ref
+    from quill.bench.accuracy import position_logits
+
+    assert (position_logits(llm.engine.loaded, ids)[-1] - logits).abs().max().item() < 1e-4
+
+
 def test_quantize_int8_round_trip_bound():
     from quill.kernels.quantize import quantize_int8
 

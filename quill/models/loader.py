@@ -207,6 +207,55 @@ class PackedGGUFWeights:
         return DenseLinear(embedding.weight.data)
 
 
+class HalfFolderWeights:
+    """A folder's bf16/fp16 matrices kept 16-bit, as GGUF's BF16/F16 blocks (32 values without a scale: the
+    safetensors bytes as they lie, viewed, not copied, where one tensor is one linear), run by the block
+    kernels (exact fp32 products of the stored weights); fp32 matrices, norms and biases come from the dense
+    source as before."""
+
+    def __init__(self, raw, dense, device: str):
+        from quill.kernels.packed import Workspace
+
+        self.raw, self.dense, self.device = raw, dense, device  # raw(name): the tensor as the file stores it
+        self.workspace = Workspace()
+
+    def _blocks(self, name: str):
+        from gguf import GGMLQuantizationType as Q
+
+        from quill.kernels.kquant import BlockWeight
+
+        t = self.raw(name)
+        qtype = {torch.bfloat16: Q.BF16, torch.float16: Q.F16}.get(t.dtype)
+        if qtype is None or t.dim() != 2 or t.shape[1] % 32:
+            return None
+        return BlockWeight(qtype, t.contiguous().view(torch.uint8))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.dense.tensor(name)
+
+    def linear(self, names: list[str], has_bias: bool):
+        from quill.kernels.packed import PackedLinear, concat_rows
+
+        blocks = [self._blocks(n + ".weight") for n in names]
+        if any(b is None for b in blocks) or len({b.qtype for b in blocks}) != 1:
+            return self.dense.linear(names, has_bias)
+        bias = torch.cat([self.dense.get(n + ".bias").float() for n in names]) if has_bias else None
+        return PackedLinear(concat_rows(blocks), bias, self.workspace)
+
+    def embedding(self, name: str):
+        from quill.kernels.packed import PackedEmbedding
+
+        blocks = self._blocks(name)
+        return PackedEmbedding(blocks) if blocks is not None else self.dense.embedding(name)
+
+    def tied_head(self, embedding):
+        from quill.kernels.packed import PackedEmbedding, PackedLinear
+
+        if isinstance(embedding, PackedEmbedding):
+            return PackedLinear(embedding.weight, None, self.workspace)
+        return self.dense.tied_head(embedding)
+
+
 def _gguf_source(path: Path, device: str) -> ModelSource:
     from quill.kernels import native
     from quill.models.gguf import GGUFModelFile
@@ -239,21 +288,27 @@ def _hf_source(path: Path, device: str, quantize: str | None = None) -> ModelSou
     index = {name: h for h in handles for name in h.keys()}
     types: collections.Counter = collections.Counter()
 
-    def get(name: str) -> torch.Tensor:
+    def raw(name: str) -> torch.Tensor:
         if name not in index:
             raise UnsupportedModelError(f"{path.name}: tensor {name!r} missing from safetensors")
         t = index[name].get_tensor(name)
         types[str(t.dtype).replace("torch.", "")] += 1
-        return t.float().to(device)
+        return t
+
+    def get(name: str) -> torch.Tensor:
+        return raw(name).float().to(device)
+
+    from quill.kernels import native
 
     weights = DenseWeights(get)
     if quantize == "int8":
-        from quill.kernels import native
         from quill.kernels.quantize import Int8Weights
 
         if device != "cpu" or native.load() is None:
             raise ValueError("--quantize int8 needs the CPU kernels (x86-64 with AVX2/FMA and gcc)")
         weights = Int8Weights(weights)
+    elif device == "cpu" and native.load() is not None:  # bf16/fp16 matrices stay 16-bit, on the block kernels
+        weights = HalfFolderWeights(raw, weights, device)
     generation = path / "generation_config.json"
     return ModelSource(cfg, weights, Tokenizer.from_hf_dir(path), path, "safetensors", types,
                        sum(f.stat().st_size for f in files),
