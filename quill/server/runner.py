@@ -81,14 +81,13 @@ def _load_engine(state, config, server: DrainingServer) -> None:
         state.load_error = f"{type(exc).__name__}: {exc}"
         server.should_exit = True
         return
-    state.attach(engine)
-    server.engine = engine
     cold = dict(getattr(engine, "cold_start", {}) or {})
-    ready_ms = process_age_ms()
-    cold_line = coldstart.line(import_ms, cold, ready_ms, torch_ms)
-    logger.info("%s", cold_line)
+    cold_line = coldstart.line(import_ms, cold, process_age_ms(), torch_ms)
+    logger.info("%s", cold_line)  # before /health turns 200, so whoever waits for it finds the line logged
     if tip := coldstart.hint(cold):
         cold_line += f"\nquill: tip: {tip}"
+    state.attach(engine)
+    server.engine = engine
     while not server.started and not server.should_exit:
         time.sleep(0.05)
     if server.started:
