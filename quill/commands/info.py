@@ -79,10 +79,10 @@ def describe(loaded) -> dict:
 
 def quill_file_lines(qf) -> dict:
     """What a .quill file says about itself: version, layout, source and checksums."""
-    source = qf.json("quill.source", {})
-    quantized = f", --quantize {source['quantize']}" if source.get("quantize") else ""
     from quill.models.quillfile import QuillFileError, check_layout
 
+    source = qf.json("quill.source", {})
+    quantized = f", --quantize {source['quantize']}" if source.get("quantize") else ""
     try:
         check_layout(qf.layout, qf.required_features, qf.path)
         runs = "runs on this CPU"

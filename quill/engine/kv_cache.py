@@ -51,7 +51,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     4 KiB page per layer and KV head, not 2 MiB of zeroing each (1 GiB for a 1B model's first token)."""
     if str(device) != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -69,7 +69,7 @@ class KVCache:
         slots = num_blocks * block_size
         shape = (model.num_kv_heads, slots, model.head_dim)
         self.layers = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(model.num_layers)]
-        self.bytes_per_token = model.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+        self.bytes_per_token = model.kv_bytes_per_token(dtype.itemsize)
 
     @property
     def capacity_tokens(self) -> int:

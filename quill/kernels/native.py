@@ -28,13 +28,14 @@ def cache_dir() -> Path:
 
 
 def cpu_supported() -> bool:
+    """Whether this CPU runs what FLAGS compile for (x86-64 with AVX2, FMA and F16C)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " avx2" in flags and " fma" in flags
+    return " avx2" in flags and " fma" in flags and " f16c" in flags  # FLAGS compile for all three
 
 
 def _build(target: Path) -> None:
@@ -52,7 +53,7 @@ def _build(target: Path) -> None:
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    """The kernel library, or None (no AVX2/FMA, no compiler): callers then use torch's dense path."""
+    """The kernel library, or None (no AVX2/FMA/F16C, no compiler): callers then use torch's dense path."""
     if os.environ.get("QUILL_DISABLE_NATIVE") == "1" or not cpu_supported():
         return None
     import torch  # noqa: F401  -- load torch's libgomp first so the kernels share its OpenMP pool

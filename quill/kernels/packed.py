@@ -346,6 +346,16 @@ class PackedEmbedding(nn.Module):
         return self.weight.nbytes
 
 
+def tied_head(embedding, workspace: Workspace) -> nn.Module:
+    """The LM head that shares the token embedding: the packed kernel over the same weight where the
+    embedding is packed (no fp32 copy of the table), else the dense table as a linear."""
+    if isinstance(embedding, PackedEmbedding):
+        return PackedLinear(embedding.weight, None, workspace)
+    from quill.kernels.linear import DenseLinear
+
+    return DenseLinear(embedding.weight.data)
+
+
 class DenseEmbedding(nn.Module):
     """fp32 embedding table."""
 

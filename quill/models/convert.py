@@ -64,7 +64,7 @@ def convert(source_path: str | Path | None, output: str | Path, quantize: str | 
     """Write `output` (.quill) from a GGUF file or Hugging Face folder; verified before returning."""
     from quill import __version__
     from quill.kernels import native, options
-    from quill.models.loader import build, open_source, resolve_model_path
+    from quill.models.loader import build, open_source, quantize_for, resolve_model_path
 
     src = resolve_model_path(None if source_path is None else str(source_path))
     out = Path(output)
@@ -76,6 +76,7 @@ def convert(source_path: str | Path | None, output: str | Path, quantize: str | 
         raise ValueError("quill convert writes the layouts of quill's CPU kernels, which are not available here "
                          "(x86-64 with AVX2/FMA and a C compiler are needed)")
     layout = quillfile.resolve_layout(layout)
+    quantize = quantize_for(src, quantize)
     t = {"start": time.perf_counter()}
     sha = sha256 or source_sha256(src, progress)
     t["hash"] = time.perf_counter()
@@ -83,7 +84,7 @@ def convert(source_path: str | Path | None, output: str | Path, quantize: str | 
     with options.use(dataclasses.replace(options.current(), amx=False)):
         source = open_source(src, "cpu", quantize)
         recorder = quillfile.RecordingWeights(source.weights)
-        build(source, "cpu", context_len=1, weights=recorder)  # RoPE tables are not stored: the shortest
+        build(source, "cpu", context_len=1, weights=recorder)  # its RoPE tables are not recorded: the shortest
     t["build"] = time.perf_counter()
     tok = source.tokenizer
     metadata = {
@@ -120,6 +121,7 @@ def verify(path: Path, records: list, source, layout: str, progress: bool = True
     qf.verify_data(progress)
     if qf.model_config() != source.config:
         raise quillfile.QuillFileError(f"{path.name}: the stored model config differs from the source's")
+
     def get(name):
         return None if name is None else qf.handle.get_tensor(name)
 

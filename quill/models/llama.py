@@ -202,8 +202,8 @@ class LlamaForCausalLM(nn.Module):
         q, kv = c.num_heads * hd, c.num_kv_heads * hd
         linears, vectors = [("lm_head", self.lm_head, (None, h))], [("model.norm", self.norm, h)]
         emb = self.embed_tokens.weight
-        if (emb.cols if isinstance(emb, GroupWeight) else emb.shape[1]) != h:
-            linears.append(("embedding", None, (None, h)))
+        emb_cols = emb.cols if isinstance(emb, GroupWeight) else emb.shape[1]
+        errors = [] if emb_cols == h else [f"the embedding is {emb_cols} wide, the config needs {h}"]
         for n, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
             linears += [(f"layer {n} qkv", a.qkv_proj, (q + 2 * kv, h)), (f"layer {n} o_proj", a.o_proj, (h, q)),
@@ -213,10 +213,9 @@ class LlamaForCausalLM(nn.Module):
             if a.q_norm is not None:
                 full = c.qk_norm == "full"
                 vectors += [(f"layer {n} q_norm", a.q_norm, q if full else hd), (f"layer {n} k_norm", a.k_norm, kv if full else hd)]
-        errors = []
         for name, mod, (rows, cols) in linears:
-            got = (None, None) if mod is None else (mod.out_features, mod.in_features)
-            if mod is None or got[1] != cols or (rows is not None and got[0] != rows):
+            got = (mod.out_features, mod.in_features)
+            if got[1] != cols or (rows is not None and got[0] != rows):
                 errors.append(f"{name} is {got}, the config needs ({rows or 'any'}, {cols})")
         errors += [f"{name} has {tuple(norm.weight.shape)}, the config needs ({size},)"
                    for name, norm, size in vectors if tuple(norm.weight.shape) != (size,)]

@@ -85,12 +85,8 @@ def load_model(model: str | None = None, device: str = "cpu", quantize: str | No
 
     path = resolve_model_path(model)
     t0 = time.perf_counter()
-    if quantize is not None and quantize not in ("int8",):
-        raise ValueError(f"--quantize {quantize!r} is not supported; choose int8")
+    quantize = quantize_for(path, quantize)
     if quillfile.is_quill_file(path):
-        if quantize is not None:
-            logger.warning("--quantize %s ignored: %s holds converted weights (quill convert --quantize applies it)",
-                           quantize, path.name)
         loaded = load_quill(path, device, context_len)
     elif cache_dir is not None:
         from quill.models.model_cache import load_cached
@@ -102,12 +98,23 @@ def load_model(model: str | None = None, device: str = "cpu", quantize: str | No
     return loaded
 
 
+def quantize_for(path: Path, quantize: str | None) -> str | None:
+    """--quantize as it applies to `path`: a folder's choice, checked; None for a GGUF or .quill file, whose
+    weights are used as they are (with a warning when it was asked for)."""
+    if quantize is not None and quantize not in ("int8",):
+        raise ValueError(f"--quantize {quantize!r} is not supported; choose int8")
+    if quantize is None or path.is_dir():
+        return quantize
+    why = ("holds converted weights (quill convert --quantize applies it)" if path.suffix == ".quill"
+           else "is already quantized (its blocks are used as they are)")
+    logger.warning("--quantize %s ignored: %s %s", quantize, path.name, why)
+    return None
+
+
 def open_source(path: Path, device: str = "cpu", quantize: str | None = None) -> ModelSource:
-    """A GGUF file or Hugging Face folder, ready for `build` (or `quill convert`)."""
+    """A GGUF file or Hugging Face folder, ready for `build` (or `quill convert`); `quantize` as
+    `quantize_for` leaves it."""
     if path.is_file() and path.suffix == ".gguf":
-        if quantize is not None:
-            logger.warning("--quantize %s ignored: %s is already quantized (its blocks are used as they are)",
-                           quantize, path.name)
         return _gguf_source(path, device)
     if path.is_dir() and (path / "config.json").exists():
         return _hf_source(path, device, quantize)
@@ -199,12 +206,9 @@ class PackedGGUFWeights:
         return PackedEmbedding(for_cpu(packed)) if packed is not None else DenseEmbedding(self._dense(t))
 
     def tied_head(self, embedding):
-        from quill.kernels.linear import DenseLinear
-        from quill.kernels.packed import PackedEmbedding, PackedLinear
+        from quill.kernels.packed import tied_head
 
-        if isinstance(embedding, PackedEmbedding):
-            return PackedLinear(embedding.weight, None, self.workspace)
-        return DenseLinear(embedding.weight.data)
+        return tied_head(embedding, self.workspace)
 
 
 class HalfFolderWeights:
@@ -213,10 +217,10 @@ class HalfFolderWeights:
     kernels (exact fp32 products of the stored weights); fp32 matrices, norms and biases come from the dense
     source as before."""
 
-    def __init__(self, raw, dense, device: str):
+    def __init__(self, raw, dense):
         from quill.kernels.packed import Workspace
 
-        self.raw, self.dense, self.device = raw, dense, device  # raw(name): the tensor as the file stores it
+        self.raw, self.dense = raw, dense  # raw(name): the tensor as the file stores it
         self.workspace = Workspace()
 
     def _blocks(self, name: str):
@@ -249,11 +253,9 @@ class HalfFolderWeights:
         return PackedEmbedding(blocks) if blocks is not None else self.dense.embedding(name)
 
     def tied_head(self, embedding):
-        from quill.kernels.packed import PackedEmbedding, PackedLinear
+        from quill.kernels.packed import tied_head
 
-        if isinstance(embedding, PackedEmbedding):
-            return PackedLinear(embedding.weight, None, self.workspace)
-        return self.dense.tied_head(embedding)
+        return tied_head(embedding, self.workspace)
 
 
 def _gguf_source(path: Path, device: str) -> ModelSource:
@@ -308,7 +310,7 @@ def _hf_source(path: Path, device: str, quantize: str | None = None) -> ModelSou
             raise ValueError("--quantize int8 needs the CPU kernels (x86-64 with AVX2/FMA and gcc)")
         weights = Int8Weights(weights)
     elif device == "cpu" and native.load() is not None:  # bf16/fp16 matrices stay 16-bit, on the block kernels
-        weights = HalfFolderWeights(raw, weights, device)
+        weights = HalfFolderWeights(raw, weights)
     generation = path / "generation_config.json"
     return ModelSource(cfg, weights, Tokenizer.from_hf_dir(path), path, "safetensors", types,
                        sum(f.stat().st_size for f in files),

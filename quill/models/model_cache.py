@@ -22,18 +22,14 @@ INDEX = "index.json"
 
 
 def _stat_key(path: Path) -> str:
-    files = [path] if path.is_file() else _folder_files(path)
+    from quill.models.convert import folder_files
+
+    files = [path] if path.is_file() else folder_files(path)
     parts = [str(path.resolve())]
     for f in files:
         st = f.stat()
         parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
     return "|".join(parts)
-
-
-def _folder_files(path: Path) -> list[Path]:
-    from quill.models.convert import folder_files
-
-    return folder_files(path)
 
 
 def _read_index(cache_dir: Path) -> dict:
@@ -75,7 +71,8 @@ def cached_path(path: Path, cache_dir: Path, sha: str, layout: str, quantize: st
 
 
 def load_cached(path: Path, cache_dir: Path, device: str, quantize: str | None, context_len: int | None):
-    """Map the cached conversion of `path`, converting it first when it is missing or unreadable."""
+    """Map the cached conversion of `path`, converting it first when it is missing or unreadable; `quantize`
+    as loader.quantize_for leaves it (None for a GGUF file: one cached file per source, whatever the flag)."""
     from quill.kernels import native
     from quill.models.convert import convert
     from quill.models.loader import build, load_quill, model_display_name, open_source
@@ -84,10 +81,6 @@ def load_cached(path: Path, cache_dir: Path, device: str, quantize: str | None, 
         logger.warning("--cache-dir ignored: .quill files hold quill's CPU kernels' layouts, and %s",
                        f"device {device!r} was asked for" if device != "cpu" else "the kernels are not available here")
         return build(open_source(path, device, quantize), device, context_len)
-    if quantize is not None and not path.is_dir():
-        logger.warning("--quantize %s ignored: %s is already quantized (its blocks are used as they are)",
-                       quantize, path.name)
-        quantize = None  # one cached file per GGUF source, whatever the flag
     cache_dir.mkdir(parents=True, exist_ok=True)
     sha = source_hash(path, cache_dir)
     target = cached_path(path, cache_dir, sha, quillfile.resolve_layout("auto"), quantize)

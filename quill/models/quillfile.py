@@ -13,6 +13,7 @@ What quill adds, all inside that format:
     `embedding` / `tied_head` call of `LlamaForCausalLM` and the object it returned (packed q4/q8,
     GGUF blocks, split projections, AMX tiles, dense fp32), described in `quill.structure` and
     rebuilt from views by `QuillWeights`: the same objects the source's loader makes, no conversion;
+  * the RoPE cos/sin tables for the model's whole context (`RopeTables`), viewed instead of computed;
   * metadata: format version, CPU layout and the features it needs, the model config, the
     tokenizer's settings and chat template, the generation config, the source's name and sha256,
     and two checksums: `quill.header_sha256` (the header, with that value zeroed; checked at every
@@ -352,13 +353,8 @@ def cpu_features() -> set[str]:
     from quill.kernels import native, options
 
     have: set[str] = set()
-    if native.cpu_supported():
-        have |= {"avx2", "fma"}
-        try:
-            if " f16c" in Path("/proc/cpuinfo").read_text():
-                have.add("f16c")
-        except OSError:
-            pass
+    if native.cpu_supported():  # what the kernels are compiled for: AVX2, FMA and F16C
+        have |= set(LAYOUT_FEATURES["portable"])
     if options.hardware().amx:
         have.add("amx-int8")
     return have
@@ -400,11 +396,9 @@ def resolve_layout(name: str) -> str:
 
 @dataclass
 class Written:
-    path: Path
     bytes: int
     tensors: int
     data_sha256: str
-    layout: str
 
 
 def _align(nbytes: int) -> int:
@@ -428,7 +422,7 @@ def write(path: str | Path, records: list[tuple[str, object]], metadata: dict[st
     for key, obj in records:
         kind, _, rest = key.partition(" ")
         name = f"{kind}.{rest}" if kind == "rope" else rest.split(" ")[0].replace(",", "+") or kind
-        structure.append({"key": key, "obj": encode(obj, table, name or key)})
+        structure.append({"key": key, "obj": encode(obj, table, name)})
     tok_bytes = tokenizer_json.encode("utf-8")
     tensors = dict(table.tensors)
     tensors[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tok_bytes), dtype=torch.uint8)
@@ -478,7 +472,7 @@ def write(path: str | Path, records: list[tuple[str, object]], metadata: dict[st
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return Written(path, total, len(tensors), data_hash.hexdigest(), layout)
+    return Written(total, len(tensors), data_hash.hexdigest())
 
 
 def _checksum_span(header: bytes) -> tuple[int, int]:
@@ -537,6 +531,7 @@ class QuillFile:
                 raise QuillFileError(f"{self.path.name}: the header claims {n:,} bytes but the file has {size:,} "
                                      "(truncated or not a .quill file)")
             header = f.read(n)
+        self.data_start = 8 + n  # the first tensor byte
         start, end = _checksum_span(header)
         if start < 0:
             raise QuillFileError(f"{self.path.name} has no {_CHECKSUM_KEY}: not a .quill file (quill convert writes one)")
@@ -604,19 +599,13 @@ class QuillFile:
     def tensor_names(self) -> list[str]:
         return [n for n in self.handle.keys() if not n.startswith(PAD_PREFIX)]
 
-    def data_span(self) -> tuple[int, int]:
-        """(first data byte, end of file)."""
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-        return 8 + n, self.path.stat().st_size
-
     def verify_data(self, progress: bool = True) -> str:
         """sha256 of every data byte, compared with the header's; QuillFileError on a mismatch."""
         from tqdm import tqdm
 
-        start, end = self.data_span()
+        start = self.data_start
         digest = hashlib.sha256()
-        with open(self.path, "rb") as f, tqdm(total=end - start, unit="B", unit_scale=True, file=sys.stderr,
+        with open(self.path, "rb") as f, tqdm(total=self.path.stat().st_size - start, unit="B", unit_scale=True, file=sys.stderr,
                                              desc=f"verifying {self.path.name}", leave=False,
                                              disable=None if progress else True) as bar:
             f.seek(start)

@@ -63,9 +63,8 @@ _ABORT_SETTLE_S = 5.0  # after the drain deadline: how long the aborted requests
 def _load_engine(state, config, server: DrainingServer) -> None:
     """Import and load the engine (blocking), attach it, log the cold start, print the URL."""
     from quill import coldstart
-    from quill.coldstart import process_age_ms
 
-    before_import = process_age_ms() or 0.0  # interpreter start + CLI imports
+    before_import = coldstart.process_age_ms() or 0.0  # interpreter start + CLI imports
     t0 = time.perf_counter()
     try:
         torch_ms = coldstart.import_torch()
@@ -82,7 +81,7 @@ def _load_engine(state, config, server: DrainingServer) -> None:
         server.should_exit = True
         return
     cold = dict(getattr(engine, "cold_start", {}) or {})
-    cold_line = coldstart.line(import_ms, cold, process_age_ms(), torch_ms)
+    cold_line = coldstart.line(import_ms, cold, coldstart.process_age_ms(), torch_ms)
     logger.info("%s", cold_line)  # before /health turns 200, so whoever waits for it finds the line logged
     if tip := coldstart.hint(cold):
         cold_line += f"\nquill: tip: {tip}"
