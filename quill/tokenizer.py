@@ -378,14 +378,15 @@ class Tokenizer:
     def added_token_kind(self, text: str) -> str | None:
         """"special" when `text` is one added special token (skipped on decode, like <|im_end|>),
         "added" when one added non-special token (kept on decode, like Qwen's <tool_call>), else None."""
-        token_id = self._backend.token_to_id(text)
-        if token_id is None or token_id not in self._added:
+        token_id = self.added_token_id(text)
+        if token_id is None:
             return None
         return "special" if token_id in self._special_ids else "added"
 
     def added_token_id(self, text: str) -> int | None:
         """The id of `text` when it is one added token (special or not), else None."""
-        return self._backend.token_to_id(text) if self.added_token_kind(text) is not None else None
+        token_id = self._backend.token_to_id(text)
+        return token_id if token_id in self._added else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render a conversation to prompt text; kwargs (tools, documents, ...) reach the template."""

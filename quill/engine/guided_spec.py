@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import llguidance
-
 from quill.sampling_params import ParamError, SamplingParams
 
 # Whitespace allowed between JSON tokens: up to two spaces/tabs, or one newline plus
@@ -68,6 +66,8 @@ def build_constraint_spec(params: SamplingParams, json_whitespace: str | None = 
     kind = constraint_kind(params)
     if kind is None:
         return None
+    import llguidance  # here, not at import: quill.tools reads this module's constants on every chat request
+
     param = api_param(params, kind)
     options = {"whitespace_pattern": json_whitespace} if json_whitespace is not None else None
     if kind == "json_object":

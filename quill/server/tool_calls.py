@@ -23,7 +23,7 @@ class ToolPlan:
         """(messages, extra template variables) for the chat template (quill.tools.tool_prompt)."""
         from quill.tools import tool_prompt
 
-        return tool_prompt(messages, self.request_tools, chat_template, self.parser_cls.name)
+        return tool_prompt(messages, self.request_tools, chat_template, self.parser_cls.name, checked=self.tools)
 
     def grammar(self, tokenizer, reasoning_opened: bool | None) -> str:
         """The llguidance grammar the output must follow (every plan constrains: lazily for auto).

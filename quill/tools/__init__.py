@@ -121,12 +121,13 @@ def _object_arguments(tool_calls, where: str) -> list[dict]:
 
 
 def tool_prompt(messages: list[dict], tools: list[dict], chat_template: str | None,
-                parser_name: str | None = None) -> tuple[list[dict], dict]:
+                parser_name: str | None = None, checked: list | None = None) -> tuple[list[dict], dict]:
     """(messages, extra template variables) that show the request's `tools` (OpenAI's list, as
     sent) to the model, the same for the server and LLM.chat: a template that reads `tools` gets
     them as a variable; otherwise the family (parser_name, else detect_parser) describes them in
-    the messages (the generic family's system message). Run template_history first."""
+    the messages (the generic family's system message). `checked`: check_tools(tools), where the
+    caller has it already. Run template_history first."""
     renders = template_renders_tools(chat_template)
     family = parser_class(parser_name or detect_parser(chat_template))
-    messages = family.prepare_messages(messages, check_tools(tools), renders)
+    messages = family.prepare_messages(messages, check_tools(tools) if checked is None else checked, renders)
     return messages, ({"tools": tools} if renders else {})
