@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from quill.config import KV_CACHE_DTYPE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
+from quill.config import (KV_CACHE_DTYPE_CHOICES, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
+                          SpeculativeConfig)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)(b?)|b)?\s*$", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
@@ -91,6 +92,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "agreement; exact: fp32 activations (default exact, or QUILL_INT8_ACTIVATIONS=1)")
 
 
+    g.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=SpeculativeConfig.method,
+                   help="speculative decoding: ngram = propose the tokens that followed the last few tokens earlier "
+                        "in the prompt or output, and verify them in one pass; outputs are identical with it off, "
+                        "only speed changes (default %(default)s)")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=SpeculativeConfig.num_tokens,
+                   help="tokens proposed per sequence and step, at most; fewer when they are rarely accepted or "
+                        "the batch is large (default %(default)s)")
+
+
 def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = None) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -111,7 +121,16 @@ def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = 
             max_num_seqs=args.max_num_seqs,
             max_waiting=max_waiting,
         ),
+        speculative=speculative_config(args.speculative, args.num_speculative_tokens),
     )
+
+
+def speculative_config(method: str, num_tokens: int) -> SpeculativeConfig:
+    """--speculative / --num-speculative-tokens, checked (a bad value exits naming the limit)."""
+    try:
+        return SpeculativeConfig(method=method, num_tokens=num_tokens)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

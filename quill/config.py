@@ -268,6 +268,34 @@ class SchedulerConfig:
     max_waiting: int | None = None  # admission beyond this is refused (server sheds load)
 
 
+SPECULATIVE_METHODS = ("ngram", "off")  # --speculative
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (quill/engine/speculative.py): propose tokens, verify them in one pass.
+
+    Outputs never change: proposals are checked by the batch-invariant decode rows and the
+    request's own sampler, so only speed does."""
+
+    method: str = "off"  # "ngram": prompt lookup; "off"
+    num_tokens: int = 4  # proposed tokens per sequence and step, at most (adaptive below that)
+    ngram_max: int = 4  # the longest suffix looked up in the prompt and output
+    ngram_min: int = 2  # the shortest
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16]; got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 8:
+            raise ValueError(f"n-gram lengths must satisfy 1 <= min <= max <= 8; got min {self.ngram_min}, max {self.ngram_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start."""
@@ -283,4 +311,5 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fault_injection: bool = False  # tests and `quill bench soak` only: lets requests arm a FaultPlan phase

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterable, Iterator
 
-from quill.config import CacheConfig, EngineConfig, SchedulerConfig
+from quill.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from quill.engine.engine import LLMEngine
 from quill.outputs import RequestOutput
 from quill.sampling_params import SamplingParams
@@ -40,6 +40,8 @@ class LLM:
         kv_cache_dtype: str = "auto",
         activations: str | None = None,
         cache_dir: str | None = None,
+        speculative: str = SpeculativeConfig.method,
+        num_speculative_tokens: int = 4,
     ):
         config = EngineConfig(
             model=model,
@@ -51,6 +53,7 @@ class LLM:
             max_model_len=max_model_len,
             cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks, kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+            speculative=SpeculativeConfig(speculative, num_speculative_tokens),
         )
         self._init_engine(config)
 

@@ -42,6 +42,14 @@ def register(subparsers) -> None:
     p.add_argument("--activations", choices=["exact", "int8"], default=None,
                    help="quill's activations in the quantized linears (see `quill serve --activations`; default "
                         "exact, or QUILL_INT8_ACTIVATIONS=1)")
+    p.add_argument("--speculative", action="store_true",
+                   help="instead of the figures above: decode tok/s at batch 1 with speculative decoding off and on "
+                        "(prompt lookup), on a quoting workload and an open-ended one, with acceptance and a check "
+                        "that both give the same tokens")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="with --speculative: proposed tokens per step, at most (default 4)")
+    p.add_argument("--spec-tokens", type=int, default=256,
+                   help="with --speculative: tokens generated per run (default 256)")
     p.add_argument("--json", default=None, help="write all figures to this file")
     p.set_defaults(func=run)
 
@@ -76,6 +84,13 @@ def measure_bandwidth(repeats: int, mib: int = 512) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.speculative:
+        if args.vs or args.models:
+            print("quill bench latency: --speculative measures quill alone, on one --model", file=sys.stderr)
+            return 2
+        from quill.bench.speculative import run_speculative
+
+        return run_speculative(args)
     prefill, batches, contexts = _ints(args.prefill), _ints(args.batches), _ints(args.contexts)
     if args.skip_prefill:
         if args.vs:

@@ -159,6 +159,17 @@ class BlockManager:
         seq.block_table.extend(self._pool.allocate_new() for _ in range(num_new_blocks))
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Release seq's blocks past those holding its first num_tokens tokens (rejected proposals'
+        slots); -> blocks released. Such blocks were never full with computed tokens, so they carry
+        no prefix-cache hash."""
+        keep = -(-num_tokens // self.block_size)
+        extra = seq.block_table[keep:]
+        for block_id in reversed(extra):
+            self._pool.release(block_id)
+        del seq.block_table[keep:]
+        return len(extra)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, last block first so a prefix's tail is evicted before its head."""
         for block_id in reversed(seq.block_table):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ class StepInfo:
     num_decode_tokens: int = 0
     seconds: float = 0.0
     preempted: list[str] = field(default_factory=list)
+    verified: list[tuple[str, int, int]] = field(default_factory=list)  # (request id, proposed, accepted) per VERIFY row
 
 
 # What a request was doing when it failed, for its error message (the keys are FAULT_PHASES).
@@ -90,6 +92,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.loaded.model, self.model_config, self.kv_cache, sampler, config.device,
                                       faults=self.faults)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.speculator, self.speculative_refusal = self._speculator(config)
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self.last_step = StepInfo()
@@ -105,6 +108,19 @@ class LLMEngine:
             num_blocks, cache.block_size, self.kv_cache.capacity_tokens, self.kv_cache.bytes_per_token / 1024,
             self.kv_cache_dtype, num_blocks * cache.block_size * self.kv_cache.bytes_per_token / 2**20,
         )
+
+    def _speculator(self, config: EngineConfig):
+        """-> (Speculator or None, why speculation is off though asked for, or None)."""
+        if not config.speculative.enabled:
+            return None, None
+        if self.runner.fused is None:
+            why = f"verification needs the batch-invariant fused decode path, and this model has none ({self.runner.fused_refusal})"
+            logger.warning("speculative decoding off: %s", why)
+            return None, why
+        from quill.engine.speculative import Speculator
+
+        stops = lambda seq: {*seq.params.stop_token_ids, *(() if seq.params.ignore_eos else self.eos_token_ids)}  # noqa: E731
+        return Speculator(config.speculative, self.max_model_len, stops), None
 
     @property
     def model_name(self) -> str:
@@ -213,10 +229,13 @@ class LLMEngine:
         """One engine step. A failure in one request's own work (its rows' preparation, sampling,
         grammar, detokenizing, stop check) finishes that request alone with finish_reason "error";
         a failed forward pass is retried once without the batch's newest request."""
+        started = time.perf_counter()
         outputs = self.step_aborted()
         touched: dict[str, RequestState] = {}
         if self.faults:
             self._check_queued(touched)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, lambda seq: self.requests_matcher(seq) is not None)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -233,18 +252,33 @@ class LLMEngine:
         when = now()
         for seq, phase, exc in result.failed:
             self._fail(seq, phase, exc, touched)
-        for seq, token_id, logprobs in result.sampled:
+        times = _token_times(result.sampled, when)
+        for (seq, token_id, logprobs), at in zip(result.sampled, times):
             state = self.requests.get(seq.request_id)
-            if state is None or seq.is_finished:  # a sibling completion failed this step
+            if state is None or seq.is_finished:  # a sibling completion failed this step, or a run's stop
                 continue
-            self._accept_token(state, seq, token_id, logprobs, when, touched)
+            self._accept_token(state, seq, token_id, logprobs, at, touched)
             touched[seq.request_id] = state
+        self._settle_verified(result.verified)
         elapsed = time.perf_counter() - t0
-        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted])
+        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted],
+                                  [(s.request_id, proposed, accepted) for s, proposed, accepted in result.verified])
         self.stats.record_step(num_prefill, num_decode, elapsed, len(sched.preempted))
+        if self.speculator is not None and not num_prefill and num_decode:
+            self.speculator.record_step(num_decode, time.perf_counter() - started)
         for state in touched.values():
             outputs.append(self._emit(state))
         return outputs
+
+    def _settle_verified(self, verified: list) -> None:
+        """After a step's VERIFY rows: keep the accepted guesses' K/V, roll back the rest, count them."""
+        for seq, proposed, accepted in verified:
+            if self.scheduler.accept_drafts(seq, accepted):
+                self.runner.forget_block_table(seq)
+            self.speculator.record(seq, proposed, accepted)
+            self.stats.record_speculation(proposed, accepted)
+        if self.speculator is not None:
+            self.speculator.clear()
 
     def _check_queued(self, touched: dict) -> None:
         for seq in list(self.scheduler.waiting):
@@ -386,6 +420,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, status: SequenceStatus, result) -> None:
         self.scheduler.finish(seq, status)
         self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self.stats.record_finish(seq)
         m = seq.metrics
         logger.info(
@@ -416,6 +452,28 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             **self.stats.as_dict(),
         }
+
+
+def _token_times(sampled: list, when: float) -> list[float]:
+    """When each sampled token counts as produced. A sequence that gets m tokens from one step (a
+    VERIFY row's accepted run) has them spread evenly since its previous token, the last at `when`,
+    so inter-token latency counts tokens, not steps."""
+    counts = Counter(seq.seq_id for seq, _, _ in sampled)
+    starts: dict[int, float] = {}
+    done: Counter = Counter()
+    times = []
+    for seq, _, _ in sampled:
+        m = counts[seq.seq_id]
+        if m == 1:
+            times.append(when)
+            continue
+        if seq.seq_id not in starts:
+            before = seq.metrics.token_times
+            starts[seq.seq_id] = before[-1] if before else when
+        done[seq.seq_id] += 1
+        start = starts[seq.seq_id]
+        times.append(start + (when - start) * done[seq.seq_id] / m)
+    return times
 
 
 def _traceback(exc: BaseException) -> BaseException | None:

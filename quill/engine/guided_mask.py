@@ -114,48 +114,77 @@ class MaskWorker:
         """Start this step's masks; returns at once.
 
         items: (logits row, GuidedMatcher) pairs, or sequences in logits-row order (needs matcher_for).
+        A sequence on several consecutive rows is a speculative run: row j gets the mask after the
+        sequence's first j proposed tokens (seq.draft_token_ids), and the matcher is rolled back
+        before apply() returns. Rows after a proposed token the grammar forbids get no mask: the
+        row before cannot pick that token, so the run never reaches them.
         """
         self.discard()  # a job left over from a failed step must finish before matchers move
-        pairs = self._pairs(items)
-        if not pairs:
+        runs = self._runs(items)
+        if not runs:
             return
-        rows = [int(row) for row, _ in pairs]
+        rows = [row for run_rows, _, _ in runs for row in run_rows]
         if len(set(rows)) != len(rows) or min(rows) < 0:
             raise ValueError(f"submit: rows must be distinct non-negative indices, got {rows}")
-        vocab_size = pairs[0][1].vocab_size
-        if any(matcher.vocab_size != vocab_size for _, matcher in pairs):
-            raise ValueError(f"submit: matchers disagree on vocab_size: {sorted({m.vocab_size for _, m in pairs})}")
+        vocab_size = runs[0][1].vocab_size
+        if any(matcher.vocab_size != vocab_size for _, matcher, _ in runs):
+            raise ValueError(f"submit: matchers disagree on vocab_size: {sorted({m.vocab_size for _, m, _ in runs})}")
         words = (vocab_size + 31) // 32
         if len(rows) > self._bitmask.shape[0] or words != self._bitmask.shape[1]:
             self._bitmask = np.empty((max(8, 2 * len(rows)), words), dtype=np.int32)
-        ll_pairs = [(matcher.ll_matcher, slot) for slot, (_, matcher) in enumerate(pairs)]
-        self._future = self._pool.submit(self._compute, rows, ll_pairs, vocab_size)
+        self._future = self._pool.submit(self._compute, runs, vocab_size)
 
-    def _pairs(self, items: list) -> list[tuple[int, GuidedMatcher]]:
+    def _runs(self, items: list) -> list[tuple[list[int], GuidedMatcher, list[int]]]:
+        """-> (rows, matcher, proposed tokens along the rows) per constrained sequence."""
         if not items or isinstance(items[0], tuple):
-            return list(items)
+            return [([int(row)], matcher, []) for row, matcher in items]
         if self._matcher_for is None:
             raise TypeError("submit: pass (row, matcher) pairs, or build MaskWorker(matcher_for) to pass sequences")
-        found = ((row, self._matcher_for(seq)) for row, seq in enumerate(items))
-        return [(row, matcher) for row, matcher in found if matcher is not None]
+        runs, row = [], 0
+        while row < len(items):
+            seq, end = items[row], row + 1
+            while end < len(items) and items[end] is seq:
+                end += 1
+            matcher = self._matcher_for(seq)
+            if matcher is not None:
+                drafts = getattr(seq, "draft_token_ids", ())  # any key matcher_for knows; a Sequence may carry proposals
+                runs.append((list(range(row, end)), matcher, list(drafts[: end - row - 1])))
+            row = end
+        return runs
 
-    def _compute(self, rows: list[int], ll_pairs: list, vocab_size: int) -> _Result:
-        bitmask = self._bitmask[: len(rows)]  # (R, W) int32, contiguous
+    def _compute(self, runs: list, vocab_size: int) -> _Result:
         failed: dict[int, Exception] = {}
-        if self._executor is not None:
+        singles = [(matcher.ll_matcher, k) for k, (rows, matcher, _) in enumerate(runs) if len(rows) == 1]
+        if self._executor is not None and len(singles) == len(runs):
             try:
-                fill_next_token_bitmask_par(self._executor, ll_pairs, bitmask)
-                ll_pairs = []
+                fill_next_token_bitmask_par(self._executor, singles, self._bitmask[: len(runs)])
+                rows = [rows[0] for rows, _, _ in runs]
+                return _Result(rows, unpack_bitmask(self._bitmask[: len(rows)], vocab_size), vocab_size)
             except Exception:  # noqa: BLE001 - find the failing rows one by one below
                 pass
-        for matcher, slot in ll_pairs:  # each call drops the GIL while it computes
+        filled: list[int] = []  # logits rows with a mask, in bitmask-slot order
+        for run_rows, matcher, drafts in runs:  # each llguidance call drops the GIL while it computes
+            ll, first, consumed = matcher.ll_matcher, len(filled), 0
             try:
-                if matcher.is_error():
-                    raise ValueError(f"the grammar matcher is in an error state: {matcher.get_error()}")
-                matcher.unsafe_compute_mask_ptr(bitmask[slot].ctypes.data, bitmask[slot].nbytes)
-            except Exception as exc:  # noqa: BLE001 - that row fails alone
-                failed[rows[slot]] = exc
-        return _Result(rows, unpack_bitmask(bitmask, vocab_size), vocab_size, failed)
+                if ll.is_error():
+                    raise ValueError(f"the grammar matcher is in an error state: {ll.get_error()}")
+                for j, row in enumerate(run_rows):
+                    slot = self._bitmask[len(filled)]
+                    ll.unsafe_compute_mask_ptr(slot.ctypes.data, slot.nbytes)
+                    filled.append(row)
+                    if j == len(drafts):
+                        break
+                    token = drafts[j]
+                    if not (int(slot[token >> 5]) >> (token & 31)) & 1 or not ll.consume_token(token):
+                        break  # the grammar forbids it: row j cannot pick it, later rows are never reached
+                    consumed += 1
+            except Exception as exc:  # noqa: BLE001 - that sequence fails alone
+                del filled[first:]
+                failed[run_rows[0]] = exc
+            finally:
+                if consumed:
+                    ll.rollback(consumed)
+        return _Result(filled, unpack_bitmask(self._bitmask[: len(filled)], vocab_size), vocab_size, failed)
 
     def has_matcher(self, seq) -> bool:
         """Whether `seq` is constrained (needs the matcher_for given at construction)."""

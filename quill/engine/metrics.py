@@ -22,6 +22,8 @@ class RequestMetrics:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prefill_start_time: float | None = None  # start of the step that computed the first prompt chunk
+    spec_proposed: int = 0  # speculative tokens proposed for this completion and verified
+    spec_accepted: int = 0  # of those, accepted into the output
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -93,4 +95,6 @@ class RequestMetrics:
             "prefill_ms": ms(self.prefill_time),
             "prompt_tps": None if self.prompt_tps is None else round(self.prompt_tps, 2),
             "generation_tps": None if self.generation_tps is None else round(self.generation_tps, 2),
+            "spec_proposed_tokens": self.spec_proposed,
+            "spec_accepted_tokens": self.spec_accepted,
         }

@@ -23,8 +23,9 @@ class StepResult:
     """Sampled tokens for the scheduled sequences that reached the end of their known tokens, and
     the sequences whose own part of the step failed (the rest of the batch is unaffected)."""
 
-    sampled: list[tuple[Sequence, int, dict | None]]  # (seq, token id, logprobs entry)
+    sampled: list[tuple[Sequence, int, dict | None]]  # (seq, token id, logprobs entry); a VERIFY row's in order
     failed: list[tuple[Sequence, str, Exception]] = field(default_factory=list)  # (seq, phase, error)
+    verified: list[tuple[Sequence, int, int]] = field(default_factory=list)  # VERIFY rows: (seq, proposed, accepted)
 
 
 class ModelRunner:
@@ -52,6 +53,8 @@ class ModelRunner:
 
         fused = FusedDecoder(model, kv_cache.layers) if self.device.type == "cpu" else None
         self.fused = fused if fused is not None and fused.available else None
+        self.fused_refusal = None if self.fused is not None else (
+            getattr(fused, "refusal", None) if fused is not None else f"device {self.device.type} has no fused kernel")
 
     # ---- batch construction -------------------------------------------------------------
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
@@ -126,45 +129,66 @@ class ModelRunner:
         self._block_tables.release(seq.seq_id)
 
     def _fused_inputs(self, items: list[ScheduledSeq]):
-        """Decode rows for the fused path -> FusedDecoder.forward's arguments: ids, positions, block
-        tables (B, max_blocks) int32, context lengths, block size, longest context. O(batch) Python
-        work: each sequence's table array is kept between steps and only its new blocks are copied;
-        the kernel finds every slot from the tables."""
-        tables = [self._block_tables.get(item.seq) for item in items]
-        block_tables = np.zeros((len(items), max(len(t) for t in tables)), dtype=np.int32)
+        """Decode-path items -> FusedDecoder.forward's arguments: ids, positions, block tables
+        (R, max_blocks) int32, context lengths, block size, longest context. A DECODE item is one
+        row; a VERIFY item of n tokens is n rows of the same sequence at consecutive positions, each
+        attending to the positions before it (the kernel writes every row's K/V before any row
+        attends), so each row's numbers are those a one-token decode at that position gives.
+        O(rows) Python work: each sequence's table array is kept between steps and only its new
+        blocks are copied; the kernel finds every slot from the tables."""
+        tables, ids, positions = [], [], []
+        for item in items:
+            n, seq = item.num_new_tokens, item.seq
+            tables += [self._block_tables.get(seq)] * n
+            ids.append(seq.last_token_id)  # a decode row's one token is its sequence's last
+            ids += seq.draft_token_ids[: n - 1]
+            positions += range(item.start, item.start + n)
+        block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
         for row, t in zip(block_tables, tables):
             row[: len(t)] = t
-        positions = [item.start for item in items]
-        ids = [item.seq.last_token_id for item in items]  # a decode row's one token is its sequence's last
         return (torch.tensor(ids), torch.tensor(positions, dtype=torch.long), torch.from_numpy(block_tables),
                 torch.tensor([p + 1 for p in positions], dtype=torch.long), self.block_size, max(positions) + 1)
 
+    def forget_block_table(self, seq: Sequence) -> None:
+        """seq's block table shrank (rejected proposals' blocks freed): rebuild its array next step."""
+        self._block_tables.release(seq.seq_id)
+
     def forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """-> hidden (T, H) for every scheduled row, and the rows whose logits pick a token
-        (one per scheduled item whose kind samples, in order).
+        (in order: every row of a decode-path item, the last row of a prefill item that samples).
 
-        Running decodes lead the batch; with the fused kernel they run apart from the prefill
-        rows, so their arithmetic never depends on what else shares the step."""
+        Decode-path items (DECODE, VERIFY) lead the batch; with the fused kernel they run apart from
+        the prefill rows, so their arithmetic never depends on what else shares the step."""
         if self.faults:
             for item in scheduled:
                 self.faults.check("forward", item.seq.request_id)
         num_fused = SchedulerOutput(scheduled).num_leading_decodes if self.fused is not None else 0
-        parts, sample_rows = [], list(range(num_fused))  # every decode row samples
+        if self.fused is None and any(item.kind is RowKind.VERIFY for item in scheduled):
+            raise RuntimeError("VERIFY rows need the fused decode path, which this model does not have")
+        fused_rows = sum(item.num_new_tokens for item in scheduled[:num_fused])
+        parts, sample_rows = [], list(range(fused_rows))  # every decode-path row samples
         if num_fused:
             parts.append(self.fused.forward(*self._fused_inputs(scheduled[:num_fused])))
         if len(scheduled) > num_fused:
             input_ids, positions, meta, rows = self.prepare(scheduled[num_fused:])
             parts.append(self.model(input_ids, positions, self.kv_cache.layers, meta))
-            sample_rows += [num_fused + r for r in rows]
+            sample_rows += [fused_rows + r for r in rows]
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         return hidden, sample_rows
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Forward the batch, then sample each sampling row. A failure of the forward raises (the
-        engine decides what to retry); a failure in one row's sampling fails that row alone."""
-        sampling = [item.seq for item in out.scheduled if item.samples]
+        engine decides what to retry); a failure in one row's sampling fails that row alone.
+
+        A VERIFY item's rows are sampled as decode would sample them one step at a time: row j sees
+        the output so far plus the first j proposed tokens (penalties, min_tokens, its grammar mask),
+        a seeded row draws from the request's generator only if every row before it drew its proposed
+        token, and the run stops at the first row that did not. So a seeded request consumes its
+        random numbers exactly as without speculation, and its tokens are the same."""
+        slots = [(item, j) for item in out.scheduled for j in range(item.num_sampled_rows)]  # logits row order
+        sampling = [item.seq for item, _ in slots]
         if self.guided is not None:
-            self.guided.submit(sampling)  # masks for this step's rows, computed during the forward
+            self.guided.submit(sampling)  # masks for this step's rows (along proposals), computed during the forward
         t0 = time.perf_counter()
         try:
             hidden, sample_rows = self.forward(out.scheduled)  # (T, H)
@@ -187,26 +211,30 @@ class ModelRunner:
         if self.keep_logits:
             self.last_logits = logits.clone()
         rows: dict[int, SamplingRow] = {}
-        for i, s in enumerate(sampling):
+        for i, (item, j) in enumerate(slots):
             if i in failed:
                 continue
+            s = item.seq
             try:
                 if self.faults:
                     self.faults.check("sample", s.request_id)
-                rows[i] = SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.generator_for(s),
-                                      constrained=self.guided is not None and self.guided.has_matcher(s))
+                history = s.output_token_ids if j == 0 else [*s.output_token_ids, *s.draft_token_ids[:j]]
+                follows = (rows.get(i - 1), s.draft_token_ids[j - 1]) if j else None
+                rows[i] = SamplingRow(s.params, s.prompt_token_ids, history, self.generator_for(s),
+                                      constrained=self.guided is not None and self.guided.has_matcher(s),
+                                      follows=follows)
             except Exception as exc:  # noqa: BLE001 - this row's failure alone
                 failed[i] = ("sample", exc)
         keep = list(rows)
-        sampled = []
+        picks: dict[int, tuple[int, dict | None]] = {}
         if keep:
             result = self._sample(logits if len(keep) == len(sampling) else logits[keep], list(rows.values()))
             for j, i in enumerate(keep):
                 if j in result.errors:
                     failed[i] = ("sample", result.errors[j])
                 else:
-                    sampled.append((sampling[i], result.token_ids[j], result.logprobs[j]))
-        return StepResult(sampled, [(sampling[i], phase, exc) for i, (phase, exc) in sorted(failed.items())])
+                    picks[i] = (result.token_ids[j], result.logprobs[j])
+        return _walk(slots, picks, failed)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]):
         """The sampler over the batch; if it raises as a whole (a bug, not one row's problem),
@@ -227,6 +255,34 @@ class ModelRunner:
                     logprobs.append(None)
                     errors[j] = exc
             return SamplerOutput(token_ids, logprobs, errors)
+
+
+def _walk(slots: list[tuple[ScheduledSeq, int]], picks: dict, failed: dict) -> StepResult:
+    """Rows' picks -> each sequence's tokens. A VERIFY item keeps its rows' tokens up to and including
+    the first that is not the proposed token at that position (the pick the sequence would have made
+    there without speculation); rows after it were never reached and are ignored, failures included."""
+    result = StepResult([])
+    i = 0
+    while i < len(slots):
+        item = slots[i][0]
+        n = item.num_sampled_rows
+        tokens, error = [], None
+        for j in range(n):
+            if i + j in failed:
+                error = failed[i + j]
+                break
+            token, logprobs = picks[i + j]
+            tokens.append((item.seq, token, logprobs))
+            if j == n - 1 or token != item.seq.draft_token_ids[j]:
+                break
+        if error is not None:
+            result.failed.append((item.seq, *error))
+        else:
+            result.sampled += tokens
+            if item.kind is RowKind.VERIFY:
+                result.verified.append((item.seq, n - 1, len(tokens) - 1))
+        i += n
+    return result
 
 
 def _pad_slots(ctx: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

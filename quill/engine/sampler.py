@@ -48,6 +48,10 @@ class SamplingRow:
     generator: torch.Generator | None  # per-request, seeded from params.seed; None = global RNG
     allowed_mask: torch.Tensor | None = None  # (V',) bool, V' <= V; True = allowed, ids >= V' disallowed
     constrained: bool = False  # a grammar already masked this row's logits (the runner's MaskWorker)
+    # A speculative run's later row: (the row before it, the token proposed there). A seeded row draws
+    # only if that row picked that token, so a request's generator advances once per token it keeps.
+    follows: tuple["SamplingRow | None", int] | None = None
+    picked: int | None = None  # set by the sampler once this row has its token
 
     @property
     def has_grammar(self) -> bool:
@@ -191,7 +195,7 @@ class Sampler:
         if all(self._is_plain_greedy(row) for row in rows) and logits.shape[1] == self.vocab_size:
             # Fast path: one argmax over the batch, no copy. max().indices is the first maximum, as
             # argmax is, but torch's max reduction is about 3x faster over a (16, 49152) batch.
-            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
+            return _picked(rows, SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows)))
         x, errors = self._process(logits, rows)  # (B, V)
         token_ids = [-1] * len(rows)
         ok = [i for i in range(len(rows)) if i not in errors]
@@ -208,7 +212,7 @@ class Sampler:
             picks = self._sample(x[sampled], [rows[i] for i in sampled])
             for i, token in zip(sampled, picks):
                 token_ids[i] = token
-        return SamplerOutput(token_ids, self._logprobs(logprobs, wanted, rows, token_ids), errors)
+        return _picked(rows, SamplerOutput(token_ids, self._logprobs(logprobs, wanted, rows, token_ids), errors))
 
     def _is_plain_greedy(self, row: SamplingRow) -> bool:
         p = row.params
@@ -310,8 +314,14 @@ class Sampler:
             for j, token in zip(shared, drawn):
                 picks[j] = token
         for j, row in enumerate(rows):
-            if row.generator is not None:
-                picks[j] = _draw_one(probs[j], row.generator)
+            if row.generator is None:
+                continue
+            if row.follows is not None:  # rows of one run come in order, so the row before is already drawn
+                before, proposed = row.follows
+                if before is None or before.picked != proposed:
+                    picks[j] = -1  # never reached: the run stopped before this row
+                    continue
+            picks[j] = row.picked = _draw_one(probs[j], row.generator)
         return picks
 
     # ---- step 4: logprobs of the processed logits (computed before the bias, read after the draw)
@@ -321,6 +331,9 @@ class Sampler:
                   token_ids: list[int]) -> list[dict | None]:
         """logprobs (L, V): log_softmax of rows `wanted` (in that order) before logit_bias."""
         result: list[dict | None] = [None] * len(rows)
+        drawn = [j for j, i in enumerate(wanted) if token_ids[i] >= 0]  # a speculative run's unreached rows drew nothing
+        if len(drawn) < len(wanted):
+            logprobs, wanted = logprobs[drawn], [wanted[j] for j in drawn]
         if not wanted:
             return result
         chosen_index = _column([token_ids[i] for i in wanted], logprobs, torch.long)
@@ -336,6 +349,12 @@ class Sampler:
             top_list = [(t, v) for t, v in zip(top_ids[j][:k], top_values[j][:k]) if v != _NEG_INF] if k else []
             result[i] = {"token_id": token_ids[i], "logprob": chosen[j], "top": top_list}
         return result
+
+
+def _picked(rows: list[SamplingRow], out: SamplerOutput) -> SamplerOutput:
+    for row, token in zip(rows, out.token_ids):
+        row.picked = token if token >= 0 else None
+    return out
 
 
 def _draw_one(probs_row: torch.Tensor, generator: torch.Generator) -> int:  # probs_row (V,)

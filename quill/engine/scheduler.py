@@ -22,6 +22,7 @@ class RowKind(enum.Enum):
     runner, the fused decode path, the sampler's row list and the step statistics read it."""
 
     DECODE = "decode"  # exactly one token, the last known one: samples (the fused decode path's row)
+    VERIFY = "verify"  # the last known token and the proposed ones after it: a decode row each, each samples
     PREFILL_FINAL = "prefill_final"  # several tokens ending at the last known one: samples
     PREFILL_CHUNK = "prefill_chunk"  # tokens that stop short of the last known one: no sample
 
@@ -29,11 +30,19 @@ class RowKind(enum.Enum):
     def samples(self) -> bool:
         return self is not RowKind.PREFILL_CHUNK
 
+    @property
+    def fused(self) -> bool:
+        """Rows of the batch-invariant decode path: each row's numbers never depend on its neighbours."""
+        return self is RowKind.DECODE or self is RowKind.VERIFY
+
 
 def row_kind(seq: Sequence, start: int, num_new_tokens: int) -> RowKind:
     """The one definition of a row's kind."""
-    if start + num_new_tokens < seq.num_tokens:
+    end = start + num_new_tokens
+    if end < seq.num_tokens:
         return RowKind.PREFILL_CHUNK
+    if end > seq.num_tokens:
+        return RowKind.VERIFY  # runs past the known tokens, into seq.draft_token_ids
     if num_new_tokens == 1:
         return RowKind.DECODE
     return RowKind.PREFILL_FINAL
@@ -41,7 +50,8 @@ def row_kind(seq: Sequence, start: int, num_new_tokens: int) -> RowKind:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence's share of a step: compute tokens [start, start + num_new_tokens)."""
+    """One sequence's share of a step: compute tokens [start, start + num_new_tokens). A VERIFY row's
+    tokens are the last known one and then seq.draft_token_ids[: num_new_tokens - 1]."""
 
     seq: Sequence
     start: int
@@ -50,8 +60,10 @@ class ScheduledSeq:
 
     @classmethod
     def plan(cls, seq: Sequence, start: int, num_new_tokens: int) -> "ScheduledSeq":
-        if not 0 < num_new_tokens <= seq.num_tokens - start:
-            raise ValueError(f"cannot schedule {num_new_tokens} tokens from {start} of {seq!r}")
+        known = seq.num_tokens - start
+        if not 0 < num_new_tokens <= known and not (known == 1 and num_new_tokens <= 1 + len(seq.draft_token_ids)):
+            raise ValueError(f"cannot schedule {num_new_tokens} tokens from {start} of {seq!r} "
+                             f"({len(seq.draft_token_ids)} proposed)")
         return cls(seq, start, num_new_tokens, row_kind(seq, start, num_new_tokens))
 
     @property
@@ -61,7 +73,13 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        return self.kind is RowKind.DECODE
+        """A decode-path row (DECODE or VERIFY)."""
+        return self.kind.fused
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose logits pick a token: every row of a VERIFY, the last of other sampling kinds."""
+        return self.num_new_tokens if self.kind is RowKind.VERIFY else int(self.samples)
 
 
 @dataclass
@@ -81,10 +99,10 @@ class SchedulerOutput:
 
     @property
     def num_leading_decodes(self) -> int:
-        """Decode rows at the front of the batch (schedule() puts running decodes first)."""
+        """Decode-path items (DECODE, VERIFY) at the front of the batch (schedule() puts them first)."""
         count = 0
         for item in self.scheduled:
-            if item.kind is not RowKind.DECODE:
+            if not item.kind.fused:
                 break
             count += 1
         return count
@@ -141,11 +159,28 @@ class Scheduler:
             budget -= num_new
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
+        self._add_drafts(out, budget)
         # Every decode row leads the batch, including one-token rows of sequences admitted just now
         # (a prompt whose prefix cache hit leaves one token): the runner's batch-invariant decode
         # path takes the leading decode rows, so a row's numbers never depend on its neighbours.
-        out.scheduled.sort(key=lambda item: item.kind is not RowKind.DECODE)
+        out.scheduled.sort(key=lambda item: not item.kind.fused)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Turn decode rows with proposed tokens into VERIFY rows, with what is left of the token
+        budget once every running sequence and admission had theirs. A proposal that finds no
+        blocks is dropped (speculation never preempts anyone)."""
+        for k, item in enumerate(out.scheduled):
+            seq = item.seq
+            if budget <= 0:
+                break
+            if item.kind is not RowKind.DECODE or not seq.draft_token_ids:
+                continue
+            extra = min(len(seq.draft_token_ids), budget)
+            if not self.block_manager.allocate(seq, 1 + extra):
+                continue
+            out.scheduled[k] = ScheduledSeq.plan(seq, item.start, 1 + extra)
+            budget -= extra
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Find blocks for seq, preempting the youngest other running sequences if needed."""
@@ -204,11 +239,24 @@ class Scheduler:
         return any(o.request_id == seq.request_id and o.index < seq.index for o in self.waiting)
 
     def postprocess(self, out: SchedulerOutput) -> None:
-        """Advance computed counts and publish newly full blocks to the prefix cache."""
+        """Advance computed counts and publish newly full blocks to the prefix cache. A VERIFY row
+        counts its known token only here; accept_drafts adds the proposed tokens that were kept."""
         for item in out.scheduled:
             seq = item.seq
-            seq.num_computed_tokens = item.start + item.num_new_tokens
+            seq.num_computed_tokens = item.start + (1 if item.kind is RowKind.VERIFY else item.num_new_tokens)
             self.block_manager.cache_blocks(seq, seq.num_computed_tokens)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> int:
+        """After a VERIFY row: the first num_accepted proposed tokens (now output tokens) keep their
+        K/V; the rejected ones' slots are rolled back, and blocks they alone filled go back to the
+        pool. Only accepted tokens' blocks are ever hashed into the prefix cache. -> blocks released."""
+        if seq.is_finished:  # finished inside the run: its blocks are already released
+            return 0
+        seq.num_computed_tokens += num_accepted
+        if seq.num_computed_tokens >= seq.num_tokens:
+            raise RuntimeError(f"{num_accepted} accepted tokens leave no token to decode next: {seq!r}")
+        self.block_manager.cache_blocks(seq, seq.num_computed_tokens)
+        return self.block_manager.trim(seq, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Set a finished status and release the blocks (full ones stay cached)."""

@@ -107,6 +107,10 @@ class Sequence:
             self.metrics.arrival_time = arrival_time
         self.output_logprobs: list[dict] = []  # per output token, when params.logprobs is set
         self.num_preemptions = 0
+        # Tokens proposed for the next step (speculative decoding): set by the Speculator before a step,
+        # read by the scheduler (a VERIFY row) and the runner, cleared after the step. Never output
+        # unless verified.
+        self.draft_token_ids: list[int] = []
 
     # append_token is the one writer; readers get a view, so reading is O(1) per step.
     @property

@@ -21,6 +21,14 @@ class EngineStats:
     generation_tokens: int = 0
     finished: Counter = field(default_factory=Counter)
     failures: Counter = field(default_factory=Counter)  # requests that failed alone, by phase
+    spec_proposed: int = 0  # speculative guesses verified
+    spec_accepted: int = 0  # of those, kept as output tokens
+    spec_verifications: int = 0  # VERIFY rows run
+
+    def record_speculation(self, proposed: int, accepted: int) -> None:
+        self.spec_proposed += proposed
+        self.spec_accepted += accepted
+        self.spec_verifications += 1
 
     def record_failure(self, phase: str) -> None:
         self.failures[phase] += 1
@@ -54,4 +62,12 @@ class EngineStats:
             "generation_tokens": self.generation_tokens,
             "num_requests_finished": dict(self.finished),
             "num_requests_failed_by_phase": dict(self.failures),
+            "spec_proposed_tokens": self.spec_proposed,
+            "spec_accepted_tokens": self.spec_accepted,
+            "spec_verifications": self.spec_verifications,
+            # the one definition of both rates
+            "spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
+            # tokens a VERIFY row yields on average: its accepted guesses plus its own pick
+            "spec_mean_accepted_length": ((self.spec_accepted + self.spec_verifications) / self.spec_verifications
+                                          if self.spec_verifications else 0.0),
         }

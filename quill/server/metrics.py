@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the request failed inside the engine
@@ -25,6 +25,14 @@ class EngineGauges:
         ("kv_blocks_total", "kv_blocks_total", "KV-cache blocks in the pool."),
         ("kv_blocks_cached", "kv_blocks_cached", "Free KV-cache blocks that still hold a reusable prefix."),
         ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens, since start."),
+        ("spec_acceptance_rate", "spec_acceptance_rate", "Speculative tokens accepted / proposed and verified, since start."),
+        ("spec_mean_accepted_length", "spec_mean_accepted_length",
+         "Tokens a speculative verification yields on average (accepted proposals + its own pick), since start."),
+    )
+    _COUNTERS = (
+        ("spec_proposed_tokens", "spec_proposed_tokens", "Speculative tokens proposed and verified."),
+        ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative tokens accepted into outputs."),
+        ("spec_verifications", "spec_verifications", "Speculative verifications run (one per sequence and step)."),
     )
 
     def __init__(self, stats: Callable[[], dict | None]):
@@ -36,6 +44,10 @@ class EngineGauges:
             family = GaugeMetricFamily(f"quill_{name}", doc)
             family.add_metric([], float(stats.get(key) or 0.0))
             yield family
+        for name, key, doc in self._COUNTERS:
+            counter = CounterMetricFamily(f"quill_{name}", doc)
+            counter.add_metric([], float(stats.get(key) or 0.0))
+            yield counter
 
     def describe(self):
         return []

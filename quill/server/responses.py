@@ -90,6 +90,9 @@ def timings(per_prompt: list[list[dict]]) -> dict:
         "tpot_ms": _round(sum(tpots) / len(tpots)) if tpots else None,
         "queue_ms": _round(_min(m.get("queue_ms") for m in every)),
         "e2e_ms": _round(_max(m.get("e2e_ms") for m in every)),
+        # speculative decoding, as llama-server names them: proposed tokens verified, and of those kept
+        "draft_n": sum(m.get("spec_proposed_tokens") or 0 for m in every),
+        "draft_n_accepted": sum(m.get("spec_accepted_tokens") or 0 for m in every),
     }
 
 
