@@ -8,10 +8,13 @@
  *   mins may be NULL: every min is zero (Q8_0), and none are stored. See ZERO_MINS below for why
  *   skipping the min terms gives the very bits the all-zero mins gave.
  *
- * Batch invariance: every (row, batch item) is reduced in the same order -- groups in
- * order, within a group four 8-wide FMAs in order, then one horizontal sum -- whatever B
- * is or where the item sits in the batch. Tiling over B only changes which items share
- * a weight load, never the arithmetic of one item.
+ * Batch invariance: every (row, batch item) is reduced in the same order, whatever B is or where
+ * the item sits in the batch. A group's 32 codes are scaled once per tile (w = code * scale, one
+ * rounding each, shared by the tile's items); then each item adds w * x into its own two
+ * accumulators, one FMA per vector, groups in order (AVX-512: a group's weights 0-15 into the first,
+ * 16-31 into the second; AVX2: 0-7 and 16-23 into the first, 8-15 and 24-31 into the second). The
+ * two are added, the min terms' vector (mins times group sums) added to that, then one horizontal
+ * sum. Tiling over B only changes which items share a weight load, never the arithmetic of one item.
  */
 #include <immintrin.h>
 
@@ -20,13 +23,14 @@
 #include <stdlib.h>
 
 /* ZERO_MINS -- mins == NULL means every min is zero and none is stored (Q8_0). The row kernels then
- * write A + 0.f, A being the summed scaled group dot products, bit for bit what an all-zero (+0) mins
- * array gave: that added (A + M) + T, M and T the min terms summed from +0 over +0 * (group sum);
- * for a finite group sum each product is +-0 and +0 + +-0 = +0, so M = T = +0 and the output was
- * A + 0 (A itself but for A = -0, which became +0: the explicit + 0.f, which the compiler keeps
- * without -ffast-math, does the same). The one difference: a non-finite group sum (an inf or NaN in
- * x, or a group sum overflowing fp32) made the old min term 0 * inf = NaN; the output is now what the
- * codes give, for an inf or NaN in x non-finite too (inf, -inf or NaN), never a finite number.
+ * write hsum(A) + 0.f, A being the item's two accumulators summed (the scaled codes times x), bit for
+ * bit what they write for an all-zero (+0) mins array: hsum(A + M), M the min terms' vector, FMAs from
+ * +0 of +0 mins times group sums. For finite group sums each product is +-0 and +0 + +-0 = +0, so
+ * M = +0 and A + M is A with its -0 lanes made +0; the same tree of adds over that gives hsum(A)'s
+ * bits but in one case, every lane -0: hsum(A) = -0 against +0, which the explicit + 0.f (kept without
+ * -ffast-math) makes +0 too. The one difference: a non-finite group sum (an inf or NaN in x, or a
+ * group sum overflowing fp32) made the old min term 0 * inf = NaN; the output is now what the codes
+ * give, for an inf or NaN in x non-finite too (inf, -inf or NaN), never a finite number.
  * The dequantized tile keeps its FMA, with a +0 min: the same bits as before. */
 
 static void group_sums(const float *x, float *xs, int B, int G) {
@@ -58,38 +62,63 @@ static inline void unpack_q8(const int8_t *src, __m256 w[4]) {
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
 }
 
-static inline __m256 dot32(const __m256 w[4], const float *xg) {
-    __m256 d = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
-    d = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), d);
-    d = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), d);
-    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), d);
+/* The group's codes scaled: w[i] = code * scale, one rounding each (shared by a tile's items). */
+#define UNPACK_SCALED(UNPACK, src, s, w)                                                           \
+    do {                                                                                          \
+        UNPACK(src, w);                                                                           \
+        for (int i_ = 0; i_ < 4; i_++) w[i_] = _mm256_mul_ps(w[i_], s);                           \
+    } while (0)
+
+/* The mins' dot product with the group sums: 8-wide FMAs from +0, the last G % 8 through zeroed lanes. */
+static inline __m256 min_terms8(const float *mn, const float *xst, int G) {
+    static const int32_t ones[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    __m256 m = _mm256_setzero_ps();
+    int h = 0;
+    for (; h + 8 <= G; h += 8) m = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), _mm256_loadu_ps(xst + h), m);
+    if (h < G) {
+        const __m256i k = _mm256_loadu_si256((const __m256i *)(ones + 8 - (G - h)));
+        m = _mm256_fmadd_ps(_mm256_maskload_ps(mn + h, k), _mm256_maskload_ps(xst + h, k), m);
+    }
+    return m;
 }
 
-#define TILE 4
+#define TILE 5
 
-/* One row n for batch items [b0, b0+nb), nb <= TILE. */
+/* One row n for batch items [b0, b0+nb): always inlined with a constant nb (1..TILE) so the
+ * accumulators stay in registers (two per item: 2 * TILE + the 4 scaled weights fit AVX2's 16). */
 #define ROW_KERNEL(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                         \
-    static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,         \
-                     const float *xs, float *out, int N, int n, int G, int b0, int nb) {          \
-        __m256 acc[TILE];                                                                         \
-        for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps();                                \
+    static inline __attribute__((always_inline)) void NAME##_n(                                   \
+        const CODE_T *row, const float *sc, const float *mn, const float *x, const float *xs,     \
+        float *out, int N, int n, int G, int b0, const int nb) {                                  \
+        __m256 acc[TILE], acc2[TILE];                                                             \
+        _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm256_setzero_ps(); \
         const long K = (long)G * 32;                                                              \
+        const float *xb = x + (long)b0 * K;                                                       \
         for (int g = 0; g < G; g++) {                                                             \
             __m256 w[4];                                                                          \
-            UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
-            __m256 s = _mm256_set1_ps(sc[g]);                                                     \
-            for (int t = 0; t < nb; t++)                                                          \
-                acc[t] = _mm256_fmadd_ps(s, dot32(w, x + (b0 + t) * K + (long)g * 32), acc[t]);   \
+            UNPACK_SCALED(UNPACK, row + (long)g * BYTES_PER_GROUP, _mm256_set1_ps(sc[g]), w);     \
+            _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) {                                \
+                const float *xg = xb + t * K + (long)g * 32;                                      \
+                acc[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), acc[t]);                      \
+                acc2[t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), acc2[t]);                \
+                acc[t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), acc[t]);                 \
+                acc2[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), acc2[t]);               \
+            }                                                                                     \
         }                                                                                         \
-        for (int t = 0; t < nb; t++) { /* the min terms: one dot product of mins and group sums */ \
-            if (!mn) { out[(long)(b0 + t) * N + n] = hsum8(acc[t]) + 0.f; continue; } /* ZERO_MINS */ \
-            const float *xst = xs + (long)(b0 + t) * G;                                           \
-            __m256 m = _mm256_setzero_ps();                                                       \
-            int h = 0;                                                                            \
-            for (; h + 8 <= G; h += 8) m = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), _mm256_loadu_ps(xst + h), m); \
-            float tail = 0.f;                                                                     \
-            for (; h < G; h++) tail += mn[h] * xst[h];                                            \
-            out[(long)(b0 + t) * N + n] = hsum8(acc[t]) + hsum8(m) + tail;                        \
+        _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) {                                    \
+            const __m256 sum = _mm256_add_ps(acc[t], acc2[t]);                                    \
+            out[(long)(b0 + t) * N + n] = mn ? hsum8(_mm256_add_ps(sum, min_terms8(mn, xs + (long)(b0 + t) * G, G))) \
+                                             : hsum8(sum) + 0.f; /* ZERO_MINS */                  \
+        }                                                                                         \
+    }                                                                                             \
+    static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,         \
+                     const float *xs, float *out, int N, int n, int G, int b0, int nb) {          \
+        switch (nb) {                                                                             \
+        case 1: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 1); break;                         \
+        case 2: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 2); break;                         \
+        case 3: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 3); break;                         \
+        case 4: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 4); break;                         \
+        default: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 5); break;                        \
         }                                                                                         \
     }
 
@@ -100,68 +129,71 @@ ROW_KERNEL(row_q8, int8_t, 32, unpack_q8)
  * QUILL_NO_AVX512=1 makes Python's default AVX2). Per item the order is again fixed. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-AVX512 static inline void unpack_q4_512(const uint8_t *src, __m512 w[2]) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)src);
-    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(15))));
-    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15))));
+/* A group's 32 codes scaled, w = code * scale (one rounding each): for q4 the 16 products code * scale
+ * are made once and each nibble picks its own (vpermps reads an index's low 4 bits only). */
+AVX512 static inline void unpack_q4_512(const uint8_t *src, __m512 s, __m512 w[2]) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)src);
+    const __m512 lut = _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), s);
+    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(raw), lut);
+    w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(raw, 4)), lut);
 }
 
-AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 w[2]) {
-    __m256i raw = _mm256_loadu_si256((const __m256i *)src);
-    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
-    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 s, __m512 w[2]) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)src);
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))), s);
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))), s);
 }
 
 #define TILE512 8
 
 /* One row n for items [b0, b0+nb): always inlined with a constant nb (1..TILE512) so the
- * accumulators stay in registers. Two accumulators per item (even and odd groups) hide the
- * FMA latency; the min terms are one vector dot product after the loop. */
+ * accumulators stay in registers. Two accumulators per item (each group's weights 0-15 and 16-31),
+ * two groups per step; the min terms are one vector dot product after the loop. */
 #define ROW_KERNEL_512(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                     \
     AVX512 static inline __attribute__((always_inline)) void NAME##_n(                            \
         const CODE_T *row, const float *sc, const float *mn, const float *x, const float *xs,     \
         float *out, int N, int n, int G, int b0, const int nb) {                                  \
         __m512 acc[TILE512], acc2[TILE512];                                                       \
-        for (int t = 0; t < nb; t++) { acc[t] = _mm512_setzero_ps(); acc2[t] = _mm512_setzero_ps(); } \
+        _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps(); \
         const long K = (long)G * 32;                                                              \
         const float *xb = x + (long)b0 * K;                                                       \
         int g = 0;                                                                                \
         for (; g + 2 <= G; g += 2) {                                                              \
             __m512 w[2], v[2];                                                                    \
-            UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
-            UNPACK(row + (long)(g + 1) * BYTES_PER_GROUP, v);                                     \
-            __m512 s = _mm512_set1_ps(sc[g]), s2 = _mm512_set1_ps(sc[g + 1]);                     \
-            for (int t = 0; t < nb; t++) {                                                        \
+            UNPACK(row + (long)g * BYTES_PER_GROUP, _mm512_set1_ps(sc[g]), w);                    \
+            UNPACK(row + (long)(g + 1) * BYTES_PER_GROUP, _mm512_set1_ps(sc[g + 1]), v);          \
+            _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) {                                \
                 const float *xg = xb + t * K + (long)g * 32;                                      \
-                __m512 d = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))); \
-                __m512 e = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xg + 48), _mm512_mul_ps(v[0], _mm512_loadu_ps(xg + 32))); \
-                acc[t] = _mm512_fmadd_ps(s, d, acc[t]);                                           \
-                acc2[t] = _mm512_fmadd_ps(s2, e, acc2[t]);                                        \
+                acc[t] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xg), acc[t]);                      \
+                acc2[t] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), acc2[t]);               \
+                acc[t] = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xg + 32), acc[t]);                 \
+                acc2[t] = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xg + 48), acc2[t]);               \
             }                                                                                     \
         }                                                                                         \
-        for (; g < G; g++) {                                                                      \
+        if (g < G) {                                                                              \
             __m512 w[2];                                                                          \
-            UNPACK(row + (long)g * BYTES_PER_GROUP, w);                                           \
-            __m512 s = _mm512_set1_ps(sc[g]);                                                     \
-            for (int t = 0; t < nb; t++) {                                                        \
+            UNPACK(row + (long)g * BYTES_PER_GROUP, _mm512_set1_ps(sc[g]), w);                    \
+            _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) {                                \
                 const float *xg = xb + t * K + (long)g * 32;                                      \
-                __m512 d = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xg))); \
-                acc[t] = _mm512_fmadd_ps(s, d, acc[t]);                                           \
+                acc[t] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xg), acc[t]);                      \
+                acc2[t] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), acc2[t]);               \
             }                                                                                     \
         }                                                                                         \
-        for (int t = 0; t < nb; t++) {                                                            \
+        _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) {                                    \
+            const __m512 sum = _mm512_add_ps(acc[t], acc2[t]);                                    \
             if (!mn) { /* ZERO_MINS */                                                            \
-                out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) + 0.f; \
+                out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(sum) + 0.f;                    \
                 continue;                                                                         \
             }                                                                                     \
             const float *xst = xs + (long)(b0 + t) * G;                                           \
             __m512 m = _mm512_setzero_ps();                                                       \
             int h = 0;                                                                            \
             for (; h + 16 <= G; h += 16) m = _mm512_fmadd_ps(_mm512_loadu_ps(mn + h), _mm512_loadu_ps(xst + h), m); \
-            float tail = 0.f;                                                                     \
-            for (; h < G; h++) tail += mn[h] * xst[h];                                            \
-            out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]))    \
-                                          + _mm512_reduce_add_ps(m) + tail;                       \
+            if (h < G) { /* the last G % 16 through zeroed lanes */                               \
+                const __mmask16 k = (__mmask16)((1u << (G - h)) - 1);                             \
+                m = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mn + h), _mm512_maskz_loadu_ps(k, xst + h), m); \
+            }                                                                                     \
+            out[(long)(b0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(sum, m));            \
         }                                                                                         \
     }                                                                                             \
     AVX512 static void NAME(const CODE_T *row, const float *sc, const float *mn, const float *x,  \
