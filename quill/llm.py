@@ -41,7 +41,7 @@ class LLM:
         activations: str | None = None,
         cache_dir: str | None = None,
         speculative: str = SpeculativeConfig.method,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int = SpeculativeConfig.num_tokens,
     ):
         config = EngineConfig(
             model=model,

@@ -24,6 +24,9 @@ class TraceStep:
     piece: str = ""
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, piece, probability)
     input_token: tuple[int, str] | None = None  # decode: the token whose K/V this forward writes
+    proposed: list[tuple[int, str]] = field(default_factory=list)  # speculative tokens verified after the input
+    accepted: int = 0  # of those, kept: they and the step's own pick are this step's output
+    tokens: list[tuple[int, str]] = field(default_factory=list)  # every token this step output, in order
 
 
 @dataclass
@@ -98,11 +101,17 @@ def _record(engine, tok, seq, index: int, before: int, after: int, num_out_befor
     if kind == "decode":
         t = seq.output_token_ids[num_out_before - 1]
         step.input_token = (t, tok.id_to_piece(t))
+    run = next(((ids, n) for rid, ids, n in engine.last_step.verified if rid == seq.request_id), None)
+    if run is not None:
+        step.proposed = [(t, tok.id_to_piece(t)) for t in run[0]]
+        step.accepted = run[1]
     if sampled:
-        step.token_id = seq.output_token_ids[-1]
+        new = list(seq.output_token_ids[num_out_before:])
+        step.tokens = [(t, tok.id_to_piece(t)) for t in new]
+        step.token_id = new[-1]
         step.piece = tok.id_to_piece(step.token_id)
-        if engine.runner.last_logits is not None:
-            step.top = _top(engine.runner.last_logits[0], tok)
+        if engine.runner.last_logits is not None:  # the row that picked the step's last token
+            step.top = _top(engine.runner.last_logits[len(new) - 1], tok)
     return step
 
 

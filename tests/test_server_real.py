@@ -33,9 +33,11 @@ def abort_deadline(server) -> float:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # Small chunks keep every step short, so an abort lands quickly even mid-prefill.
+    # Small chunks keep every step short, so an abort lands quickly even mid-prefill. Speculation is on,
+    # so streams, aborts and disconnects are exercised with verify rows in the batch too.
     proc = ServeProcess(tmp_path_factory.mktemp("serve"), "--max-model-len", "1024", "--kv-cache-memory", "96MiB",
-                        "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--log-level", "info")
+                        "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--log-level", "info",
+                        "--speculative", "ngram")
     try:
         yield proc.wait_ready()
     finally:
@@ -154,8 +156,9 @@ def test_disconnect_after_three_chunks(server):
     gone = time.monotonic()
     assert wait_until(lambda: _aborts(server) == before + 1 and idle_blocks(server), timeout=deadline)
     assert time.monotonic() - gone <= deadline
-    # Not left decoding for nobody: at most the token already queued plus the step in flight.
-    assert metric_value(server.metrics(), "quill_generation_tokens_total") - generated <= streamed + 2
+    # Not left decoding for nobody: at most the step already queued plus the step in flight, each of up
+    # to 9 tokens (a verified run of 8 proposals and the row's own pick: --num-speculative-tokens 8).
+    assert metric_value(server.metrics(), "quill_generation_tokens_total") - generated <= streamed + 2 * 9
 
 
 def test_disconnect_during_long_prefill(server):
@@ -201,6 +204,13 @@ def test_metrics_histograms_move_and_tokenizer_endpoints(server, client):
         assert metric_value(after, name) == metric_value(before, name) + 1, name
     assert metric_value(after, "quill_inter_token_latency_seconds_count") == metric_value(before, "quill_inter_token_latency_seconds_count") + 2
     assert metric_value(after, "quill_kv_blocks_total") > 0
+    quote = "one two three four five six seven eight nine ten\n" * 4 + "one two"
+    done = client.completions.create(model=MODEL, prompt=quote, max_tokens=24, temperature=0)
+    timings = done.model_extra["timings"]
+    assert 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    final = server.metrics()
+    assert metric_value(final, "quill_spec_proposed_tokens_total") == metric_value(after, "quill_spec_proposed_tokens_total") + timings["draft_n"]
+    assert metric_value(final, "quill_spec_accepted_tokens_total") >= timings["draft_n_accepted"]
     toks = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert toks["count"] == len(toks["tokens"]) >= 2 and toks["max_model_len"] == 1024
     assert httpx.post(server.url + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"

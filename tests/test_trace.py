@@ -44,3 +44,22 @@ def test_trace_reports_prefix_cache_hits(make_llm):
     assert t.steps[0].cached_positions >= 16
     assert t.steps[0].positions[0] == t.steps[0].cached_positions
     assert "max_tokens (2) reached" in t.stop
+
+
+def test_trace_shows_proposed_and_accepted_tokens(make_llm):
+    from quill.bench.speculative import QUOTE_FILE
+
+    llm = make_llm(speculative="ngram")
+    for rows in range(1, 64):  # rows cost nothing here: every allowed proposal is verified
+        llm.engine.speculator.cost.record(rows, 1.0)
+    llm.engine.speculator.record_step = lambda rows, seconds: None
+    t = trace_request(llm, QUOTE_FILE[:400] + "\n\n" + QUOTE_FILE[:60], SamplingParams(temperature=0, max_tokens=24))
+    verified = [s for s in t.steps if s.proposed]
+    assert verified and any(s.accepted > 0 for s in verified)
+    for s in verified:
+        assert len(s.tokens) == s.accepted + 1 or t.steps[-1] is s  # the last step may stop inside the run
+        assert [tok for tok, _ in s.tokens[: s.accepted]] == [tok for tok, _ in s.proposed[: s.accepted]]
+    out = [tok for s in t.steps for tok, _ in s.tokens]
+    assert len(out) == 24
+    text = "\n".join(format_trace(t))
+    assert "decode + verify" in text and "then its own pick" in text

@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 
-from quill.config import KV_CACHE_DTYPE_CHOICES
+from quill.config import KV_CACHE_DTYPE_CHOICES, SpeculativeConfig
 
 PREFILL_LENGTHS = (128, 512, 2048)
 DECODE_BATCHES = (1, 4, 16)
@@ -46,8 +46,8 @@ def register(subparsers) -> None:
                    help="instead of the figures above: decode tok/s at batch 1 with speculative decoding off and on "
                         "(prompt lookup), on a quoting workload and an open-ended one, with acceptance and a check "
                         "that both give the same tokens")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="with --speculative: proposed tokens per step, at most (default 4)")
+    p.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_tokens,
+                   help="with --speculative: proposed tokens per step, at most (default %(default)s)")
     p.add_argument("--spec-tokens", type=int, default=256,
                    help="with --speculative: tokens generated per run (default 256)")
     p.add_argument("--json", default=None, help="write all figures to this file")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from quill.config import CacheConfig, EngineConfig, SchedulerConfig
+from quill.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from quill.engine.engine import LLMEngine, freeze_heap
 from quill.sampling_params import SamplingParams
 
@@ -22,6 +22,7 @@ class QuillRunner:
         blocks = max_batch * (-(-(max_len + 64) // 16)) + 8
         cfg = EngineConfig(
             model=model, threads=threads, max_model_len=None, activations=activations,
+            speculative=SpeculativeConfig("off"),  # kernel speed, one token per step (--speculative measures it)
             cache=CacheConfig(block_size=16, enable_prefix_caching=False, num_blocks_override=blocks,
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max(max_batch, 16)),

@@ -96,7 +96,8 @@ def run_speculative(args: argparse.Namespace) -> int:
     from quill.config import EngineConfig, SpeculativeConfig
     from quill.engine.engine import LLMEngine, freeze_heap
 
-    off = LLMEngine(EngineConfig(model=args.model, threads=args.threads, activations=args.activations))
+    off = LLMEngine(EngineConfig(model=args.model, threads=args.threads, activations=args.activations,
+                                 speculative=SpeculativeConfig("off")))
     on = LLMEngine(EngineConfig(model=args.model, threads=args.threads, activations=args.activations,
                                 speculative=SpeculativeConfig("ngram", args.num_speculative_tokens)), loaded=off.loaded)
     if on.speculator is None:

@@ -56,6 +56,16 @@ def format_trace(t) -> list[str]:
                 lines.append(f"   first token {s.piece!r}:{s.token_id}   top-3: {_top(s)}")
             else:
                 lines.append("   (chunk of a longer prompt: no token yet)")
+        elif s.proposed:
+            tok_id, piece = s.input_token
+            guesses = " ".join(f"{p!r}" for _, p in s.proposed)
+            lines.append(f"== step {s.index} decode + verify: input {piece!r}:{tok_id} and {len(s.proposed)} proposed "
+                         f"tokens [{guesses}] at positions {start}..{start + len(s.proposed)}, one decode row each; "
+                         f"{s.ms:.1f} ms")
+            kept = " ".join(f"{p!r}:{t}" for t, p in s.tokens)
+            rolled = "; the rejected positions' K/V rolled back" if s.accepted < len(s.proposed) else ""
+            lines.append(f"   accepted {s.accepted} of {len(s.proposed)}, then its own pick -> {kept}   "
+                         f"top-3 of the last: {_top(s)}{rolled}")
         else:
             tok_id, piece = s.input_token
             lines.append(f"== step {s.index} decode: input {piece!r}:{tok_id} gets its K/V now at position {start}; "

@@ -38,7 +38,8 @@ class StepInfo:
     num_decode_tokens: int = 0
     seconds: float = 0.0
     preempted: list[str] = field(default_factory=list)
-    verified: list[tuple[str, int, int]] = field(default_factory=list)  # (request id, proposed, accepted) per VERIFY row
+    verified: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)  # per VERIFY row: (request id,
+    # the proposed token ids, how many of them were accepted)
 
 
 # What a request was doing when it failed, for its error message (the keys are FAULT_PHASES).
@@ -259,10 +260,10 @@ class LLMEngine:
                 continue
             self._accept_token(state, seq, token_id, logprobs, at, touched)
             touched[seq.request_id] = state
+        verified = [(s.request_id, tuple(s.draft_token_ids[:proposed]), accepted) for s, proposed, accepted in result.verified]
         self._settle_verified(result.verified)
         elapsed = time.perf_counter() - t0
-        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted],
-                                  [(s.request_id, proposed, accepted) for s, proposed, accepted in result.verified])
+        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted], verified)
         self.stats.record_step(num_prefill, num_decode, elapsed, len(sched.preempted))
         if self.speculator is not None and not num_prefill and num_decode:
             self.speculator.record_step(num_decode, time.perf_counter() - started)
