@@ -12,7 +12,7 @@ from quill.engine.block_manager import BlockManager
 from quill.engine.engine import LLMEngine, _token_times
 from quill.engine.sampler import Sampler, SamplingRow
 from quill.engine.scheduler import RowKind, ScheduledSeq, Scheduler, row_kind
-from quill.engine.sequence import Sequence
+from quill.engine.sequence import Sequence, SequenceStatus
 from quill.engine.speculative import NgramIndex, Speculator, StepCostModel
 from quill.kernels.options import use as use_kernel_options
 from quill.sampling_params import SamplingParams
@@ -89,15 +89,51 @@ def test_rejected_proposals_are_rolled_back_and_only_accepted_tokens_are_cached(
     free_before = bm.num_free_blocks
     sched.postprocess(out)
     assert seq.num_computed_tokens == 8  # the known token only, until the run is settled
-    for t in (11, 12, 99):  # two proposals accepted, then the row's own pick
+    for k, t in enumerate((11, 12, 99)):  # two proposals accepted, then the row's own pick
+        if k:
+            sched.accept_draft(seq)  # as the engine does before each token after a run's first
         seq.append_token(t, 0.0)
-    released = sched.accept_drafts(seq, 2)
+    released = sched.settle_run(seq)
     assert seq.num_computed_tokens == 10 and seq.num_tokens == 11
     assert released == 1 and len(seq.block_table) == 3 and bm.num_free_blocks == free_before + 1
     cached = [bm.is_cached(b) for b in seq.block_table]
     assert cached == [True, True, False]  # block 2 holds tokens 8..11, not all computed: no hash
     # what is cached is the accepted tokens: a new prompt with the same first 8 tokens hits both blocks
     assert bm.get_computed_blocks(seq.all_token_ids[:9])[1] == 8
+
+
+def test_a_run_that_stops_inside_still_caches_its_accepted_blocks():
+    sched, bm = _scheduler(num_blocks=8, block_size=4)
+    seq = _decoding(7)
+    _running(sched, bm, seq)
+    seq.draft_token_ids = [11, 12, 13, 14, 15]
+    out = sched.schedule()
+    sched.postprocess(out)
+    for k, t in enumerate((11, 12, 13, 14, 15)):  # four proposals accepted, a stop string ends it on the fifth
+        if k:
+            sched.accept_draft(seq)
+        seq.append_token(t, 0.0)
+    table = list(seq.block_table)
+    sched.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    assert [bm.is_cached(b) for b in table[:3]] == [True, True, True]  # positions 0..11 computed: 3 full blocks
+    assert bm.num_used_blocks == 0
+
+
+def test_proposals_never_evict_a_cached_prefix():
+    sched, bm = _scheduler(num_blocks=4, block_size=4)
+    cached = _decoding(8)  # 9 tokens in 3 blocks: the first two full, cached, then released
+    assert bm.allocate(cached, 1)
+    bm.cache_blocks(cached, 8)
+    seq = _decoding(3)  # 4 tokens, position 3 next: one block
+    _running(sched, bm, seq)
+    bm.free(cached)  # its two full blocks stay cached (evictable); one block is unused
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 3
+    seq.draft_token_ids = [1, 2, 3, 4, 5]  # positions 4..8 would need two more blocks: only one is unused
+    out = sched.schedule()
+    assert [i.kind for i in out.scheduled] == [RowKind.DECODE] and bm.num_cached_blocks == 2
+    seq.draft_token_ids = [1, 2]  # positions 4..5: the unused block is enough
+    out = sched.schedule()
+    assert [(i.kind, i.num_new_tokens) for i in out.scheduled] == [(RowKind.VERIFY, 3)] and bm.num_cached_blocks == 2
 
 
 # ---- prompt lookup ------------------------------------------------------------------------
@@ -146,7 +182,7 @@ def test_step_cost_model_takes_medians_and_interpolates():
 
 
 def _speculator(num_tokens=4):
-    return Speculator(SpeculativeConfig("ngram", num_tokens), 10_000, lambda seq: {0})
+    return Speculator(SpeculativeConfig("ngram", num_tokens), 10_000, lambda seq, token: token == 0)
 
 
 def _quoting(seq_id=0, max_tokens=100):
@@ -187,7 +223,7 @@ def test_speculator_leaves_room_for_max_tokens_and_cuts_constrained_runs_at_stop
     spec = _speculator()
     seq = _quoting(max_tokens=3)  # 1 output so far: 2 more at most, one of them the row's own pick
     assert spec.propose([seq], lambda s: False) == [seq] and seq.draft_token_ids == [8]
-    spec = Speculator(SpeculativeConfig("ngram", 4), 10_000, lambda s: {10})
+    spec = Speculator(SpeculativeConfig("ngram", 4), 10_000, lambda s, token: token == 10)
     seq = _quoting()
     spec.propose([seq], lambda s: True)
     assert seq.draft_token_ids == [8, 9]  # 10 is a stop token: a grammar never sees it
@@ -335,6 +371,32 @@ def test_outputs_with_speculation_are_identical_to_without(engines, mode):
     assert verified > 20 and 0 < accepted < proposed  # runs were verified, some accepted, some rejected
     for engine in (off, on):
         assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.running
+
+
+def test_a_failed_forward_keeps_the_other_requests_runs(engines, default_loaded):
+    off, _ = engines
+    faulty = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks_override=128), fault_injection=True,
+                                    speculative=SpeculativeConfig("ngram", 4)), loaded=default_loaded)
+    for rows in range(1, 64):
+        faulty.speculator.cost.record(rows, 1.0)
+    faulty.speculator.record_step = lambda rows, seconds: None
+    ids = off.tokenizer.encode(QUOTE + "\n\n" + QUOTE[:30])
+    params = SamplingParams(temperature=0, max_tokens=30)
+    expected = _run(off, [("b", ids, params)])["b"]
+    faulty.add_request("b", ids, params)
+    outs = {}
+    for _ in range(3):  # b runs ahead, then a request whose forward fails joins the batch
+        for o in faulty.step():
+            outs[o.request_id] = o
+    faulty.add_request("a", ids[:20], SamplingParams(max_tokens=5), fault="forward")
+    while faulty.has_unfinished_requests():
+        for o in faulty.step():
+            outs[o.request_id] = o
+    assert outs["a"].outputs[0].finish_reason == "error"
+    assert faulty.stats.as_dict()["spec_accepted_tokens"] > 0
+    c = outs["b"].outputs[0]
+    assert [(list(c.token_ids), c.text, c.finish_reason)] == [x[:3] for x in expected]
+    assert faulty.block_manager.num_used_blocks == 0
 
 
 def test_speculation_is_off_without_the_fused_decode_path(engines):

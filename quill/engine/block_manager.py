@@ -134,6 +134,13 @@ class BlockManager:
         num_blocks_total = -(-covered // self.block_size)
         return max(num_blocks_total - len(seq.block_table) - num_computed_blocks, 0)
 
+    def allocate_unused(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """allocate(), but only from blocks that hold no prefix-cache entry (speculative proposals: a
+        guess never evicts a cached prefix the run without it would have kept)."""
+        if self.num_blocks_needed(seq, num_new_tokens) > self._pool.num_unused:
+            return False
+        return self.allocate(seq, num_new_tokens)
+
     def allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Grow seq.block_table to cover num_computed_tokens + num_new_tokens tokens.
 

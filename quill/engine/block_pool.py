@@ -68,6 +68,11 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_unused(self) -> int:
+        """Blocks that hold nothing reusable: allocate_new hands these out before evicting a cached one."""
+        return len(self._free)
+
+    @property
     def num_cached(self) -> int:
         return len(self._cached)
 

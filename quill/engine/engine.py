@@ -120,8 +120,7 @@ class LLMEngine:
             return None, why
         from quill.engine.speculative import Speculator
 
-        stops = lambda seq: {*seq.params.stop_token_ids, *(() if seq.params.ignore_eos else self.eos_token_ids)}  # noqa: E731
-        return Speculator(config.speculative, self.max_model_len, stops), None
+        return Speculator(config.speculative, self.max_model_len, self._is_stop_token), None
 
     @property
     def model_name(self) -> str:
@@ -254,16 +253,25 @@ class LLMEngine:
         for seq, phase, exc in result.failed:
             self._fail(seq, phase, exc, touched)
         times = _token_times(result.sampled, when)
+        kept: Counter = Counter()  # tokens each sequence really took this step (a run stops at a stop)
+        previous = None
         for (seq, token_id, logprobs), at in zip(result.sampled, times):
             state = self.requests.get(seq.request_id)
             if state is None or seq.is_finished:  # a sibling completion failed this step, or a run's stop
                 continue
+            if seq is previous:  # the token before this one, in the same VERIFY run, was an accepted proposal
+                self.scheduler.accept_draft(seq)
+            previous = seq
             self._accept_token(state, seq, token_id, logprobs, at, touched)
+            kept[seq.seq_id] += 1
             touched[seq.request_id] = state
-        verified = [(s.request_id, tuple(s.draft_token_ids[:proposed]), accepted) for s, proposed, accepted in result.verified]
-        self._settle_verified(result.verified)
+        verified = [(s, proposed, max(kept[s.seq_id] - 1, 0)) for s, proposed, _ in result.verified]
+        step_verified = [(s.request_id, tuple(s.draft_token_ids[:proposed]), accepted)
+                                   for s, proposed, accepted in verified]
+        self._settle_verified(verified)
         elapsed = time.perf_counter() - t0
-        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted], verified)
+        self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted],
+                                  step_verified)
         self.stats.record_step(num_prefill, num_decode, elapsed, len(sched.preempted))
         if self.speculator is not None and not num_prefill and num_decode:
             self.speculator.record_step(num_decode, time.perf_counter() - started)
@@ -272,9 +280,10 @@ class LLMEngine:
         return outputs
 
     def _settle_verified(self, verified: list) -> None:
-        """After a step's VERIFY rows: keep the accepted guesses' K/V, roll back the rest, count them."""
+        """After a step's VERIFY rows (seq, proposed, accepted and taken): publish the accepted proposals'
+        full blocks, roll back the rest, count them."""
         for seq, proposed, accepted in verified:
-            if self.scheduler.accept_drafts(seq, accepted):
+            if self.scheduler.settle_run(seq):
                 self.runner.forget_block_table(seq)
             self.speculator.record(seq, proposed, accepted)
             self.stats.record_speculation(proposed, accepted)
@@ -332,6 +341,7 @@ class LLMEngine:
             part = self._isolate(sched, group, touched)
             result.sampled += part.sampled
             result.failed += part.failed
+            result.verified += part.verified
         return result
 
     def _isolate(self, sched: SchedulerOutput, request_ids: list[str], touched: dict) -> StepResult:
@@ -349,7 +359,7 @@ class LLMEngine:
                 return StepResult([])
         half = len(request_ids) // 2
         first, second = self._isolate(sched, request_ids[:half], touched), self._isolate(sched, request_ids[half:], touched)
-        return StepResult(first.sampled + second.sampled, first.failed + second.failed)
+        return StepResult(first.sampled + second.sampled, first.failed + second.failed, first.verified + second.verified)
 
     @staticmethod
     def _requests_by_age(sched: SchedulerOutput) -> list[str]:

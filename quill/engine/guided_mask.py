@@ -164,7 +164,7 @@ class MaskWorker:
                 pass
         filled: list[int] = []  # logits rows with a mask, in bitmask-slot order
         for run_rows, matcher, drafts in runs:  # each llguidance call drops the GIL while it computes
-            ll, first, consumed = matcher.ll_matcher, len(filled), 0
+            ll, consumed, j = matcher.ll_matcher, 0, 0
             try:
                 if ll.is_error():
                     raise ValueError(f"the grammar matcher is in an error state: {ll.get_error()}")
@@ -178,9 +178,8 @@ class MaskWorker:
                     if not (int(slot[token >> 5]) >> (token & 31)) & 1 or not ll.consume_token(token):
                         break  # the grammar forbids it: row j cannot pick it, later rows are never reached
                     consumed += 1
-            except Exception as exc:  # noqa: BLE001 - that sequence fails alone
-                del filled[first:]
-                failed[run_rows[0]] = exc
+            except Exception as exc:  # noqa: BLE001 - that row fails; its sequence fails if the run reaches it
+                failed[run_rows[j]] = exc
             finally:
                 if consumed:
                     ll.rollback(consumed)

@@ -177,7 +177,7 @@ class Scheduler:
             if item.kind is not RowKind.DECODE or not seq.draft_token_ids:
                 continue
             extra = min(len(seq.draft_token_ids), budget)
-            if not self.block_manager.allocate(seq, 1 + extra):
+            if not self.block_manager.allocate_unused(seq, 1 + extra):
                 continue
             out.scheduled[k] = ScheduledSeq.plan(seq, item.start, 1 + extra)
             budget -= extra
@@ -240,26 +240,33 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput) -> None:
         """Advance computed counts and publish newly full blocks to the prefix cache. A VERIFY row
-        counts its known token only here; accept_drafts adds the proposed tokens that were kept."""
+        counts its known token only here; accept_draft adds each proposed token that was kept."""
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens = item.start + (1 if item.kind is RowKind.VERIFY else item.num_new_tokens)
             self.block_manager.cache_blocks(seq, seq.num_computed_tokens)
 
-    def accept_drafts(self, seq: Sequence, num_accepted: int) -> int:
-        """After a VERIFY row: the first num_accepted proposed tokens (now output tokens) keep their
-        K/V; the rejected ones' slots are rolled back, and blocks they alone filled go back to the
-        pool. Only accepted tokens' blocks are ever hashed into the prefix cache. -> blocks released."""
-        if seq.is_finished:  # finished inside the run: its blocks are already released
+    @staticmethod
+    def accept_draft(seq: Sequence) -> None:
+        """One proposed token of seq's VERIFY row was accepted (it is now an output token, and the
+        row's next token follows it): the K/V the row wrote for it counts as computed. Called before
+        that next token is appended, so the proposal is the sequence's one uncomputed token."""
+        if seq.num_computed_tokens + 1 != seq.num_tokens:
+            raise RuntimeError(f"an accepted proposal must be the one uncomputed token: {seq!r}")
+        seq.num_computed_tokens += 1
+
+    def settle_run(self, seq: Sequence) -> int:
+        """After seq's VERIFY row and its accepted proposals (accept_draft): publish newly full blocks,
+        and give back the blocks that only rejected proposals filled (their slots are rolled back; only
+        accepted tokens' blocks are ever hashed). -> blocks released."""
+        if seq.is_finished:  # finished inside the run: finish() cached what was computed and freed the rest
             return 0
-        seq.num_computed_tokens += num_accepted
-        if seq.num_computed_tokens >= seq.num_tokens:
-            raise RuntimeError(f"{num_accepted} accepted tokens leave no token to decode next: {seq!r}")
         self.block_manager.cache_blocks(seq, seq.num_computed_tokens)
         return self.block_manager.trim(seq, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Set a finished status and release the blocks (full ones stay cached)."""
+        self.block_manager.cache_blocks(seq, seq.num_computed_tokens)  # incl. a run's accepted proposals
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)

@@ -149,12 +149,12 @@ class _SeqState:
 class Speculator:
     """Owned by the engine when speculation is on; reads Sequences, writes their draft_token_ids."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, stop_ids: Callable[[Sequence], set[int]]):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, is_stop: Callable[[Sequence, int], bool]):
         if config.method != "ngram":
             raise ValueError(f"no proposer for speculative method {config.method!r}")
         self.config = config
         self.max_model_len = max_model_len
-        self._stop_ids = stop_ids  # a sequence's stop token ids (EOS unless ignored, stop_token_ids)
+        self._is_stop = is_stop  # the engine's rule: does this token stop this sequence
         self.cost = StepCostModel()
         self._states: dict[int, _SeqState] = {}
         self._drafted: list[Sequence] = []
@@ -189,8 +189,7 @@ class Speculator:
             guesses = st.index.propose(room) if room > 0 else []
             if guesses and constrained(seq):
                 # a grammar's matcher is never fed a stop token, so a constrained run ends before one
-                stops = self._stop_ids(seq)
-                guesses = guesses[: next((j for j, t in enumerate(guesses) if t in stops), len(guesses))]
+                guesses = guesses[: next((j for j, t in enumerate(guesses) if self._is_stop(seq, t)), len(guesses))]
             proposals[seq.seq_id] = guesses
             alpha = st.alpha
             for j in range(len(guesses)):
