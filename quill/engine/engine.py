@@ -266,8 +266,7 @@ class LLMEngine:
             kept[seq.seq_id] += 1
             touched[seq.request_id] = state
         verified = [(s, proposed, max(kept[s.seq_id] - 1, 0)) for s, proposed, _ in result.verified]
-        step_verified = [(s.request_id, tuple(s.draft_token_ids[:proposed]), accepted)
-                                   for s, proposed, accepted in verified]
+        step_verified = [(s.request_id, tuple(s.draft_token_ids[:proposed]), accepted) for s, proposed, accepted in verified]
         self._settle_verified(verified)
         elapsed = time.perf_counter() - t0
         self.last_step = StepInfo(num_prefill, num_decode, elapsed, [s.request_id for s in sched.preempted],
