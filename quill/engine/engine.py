@@ -281,13 +281,14 @@ class LLMEngine:
     def _settle_verified(self, verified: list) -> None:
         """After a step's VERIFY rows (seq, proposed, accepted and taken): publish the accepted proposals'
         full blocks, roll back the rest, count them."""
+        if self.speculator is None:  # no proposals, so no VERIFY rows
+            return
         for seq, proposed, accepted in verified:
             if self.scheduler.settle_run(seq):
                 self.runner.forget_block_table(seq)
             self.speculator.record(seq, proposed, accepted)
             self.stats.record_speculation(proposed, accepted)
-        if self.speculator is not None:
-            self.speculator.clear()
+        self.speculator.clear()
 
     def _check_queued(self, touched: dict) -> None:
         for seq in list(self.scheduler.waiting):

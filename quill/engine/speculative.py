@@ -105,6 +105,7 @@ class StepCostModel:
     def __init__(self):
         self._rows: list[int] = []  # sorted
         self._recent: dict[int, deque[float]] = {}
+        self._median: dict[int, float] = {}  # of _recent, kept at record(): estimate() runs per candidate
 
     def record(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
@@ -114,24 +115,21 @@ class StepCostModel:
             bisect.insort(self._rows, rows)
             recent = self._recent[rows] = deque(maxlen=self.KEEP)
         recent.append(seconds)
-
-    def _seconds(self, rows: int) -> float:
-        return statistics.median(self._recent[rows])
+        self._median[rows] = statistics.median(recent)
 
     def estimate(self, rows: int) -> float | None:
-        known = self._rows
+        known, median = self._rows, self._median
         if not known:
             return None
-        if rows in self._recent:
-            return self._seconds(rows)
+        if rows in median:
+            return median[rows]
         i = bisect.bisect_left(known, rows)
         if i == 0:
-            return self._seconds(known[0]) * rows / known[0]
+            return median[known[0]] * rows / known[0]
         if i == len(known):
-            return self._seconds(known[-1])
+            return median[known[-1]]
         lo, hi = known[i - 1], known[i]
-        t_lo, t_hi = self._seconds(lo), self._seconds(hi)
-        return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+        return median[lo] + (median[hi] - median[lo]) * (rows - lo) / (hi - lo)
 
 
 @dataclass
