@@ -304,8 +304,10 @@ def test_multi_token_chunk_counts_once_and_usage_sets_tokens():
     handle_event(result, json.dumps({"choices": [{"delta": {"role": "assistant"}}]}), 10.05)
     for t in (10.1, 10.2, 10.4):
         handle_event(result, json.dumps({"choices": [{"delta": {"content": "ab"}}]}), t)
-    handle_event(result, json.dumps({"choices": [], "usage": {"completion_tokens": 6, "prompt_tokens": 3}}), 10.41)
+    handle_event(result, json.dumps({"choices": [], "usage": {"completion_tokens": 6, "prompt_tokens": 3,
+                                                             "prompt_tokens_details": {"cached_tokens": 2}}}), 10.41)
     assert handle_event(result, "[DONE]", 10.42)
+    assert result.cached_tokens == 2 and result.to_dict(0.0)["cached_tokens"] == 2
     assert result.ttft == pytest.approx(0.1) and result.e2e == pytest.approx(0.4)
     assert result.itl == pytest.approx([0.1, 0.2])
     assert result.output_tokens == 6 and result.tpot == pytest.approx(0.3 / 5)
@@ -333,6 +335,10 @@ def test_stats_percentiles_and_ratios():
     assert summary["ttft_ms"]["p50"] == pytest.approx(505.0)
     assert summary["goodput"] == pytest.approx(5 / 2.0)  # TTFT 10..50 ms meet 50 ms
     assert summary["request_throughput"] == pytest.approx(50.0)
+    assert summary["cache_hit_rate"] is None  # the server said nothing about cached tokens
+    for i, result in enumerate(results):
+        result.prompt_tokens, result.cached_tokens = 100, (50 if i % 2 else 0)
+    assert summarize_level(results, 1.0, 3.0, 4, "concurrency", Slo())["cache_hit_rate"] == pytest.approx(0.25)
     assert distribution([]) is None
     half = dict(summary, request_throughput=25.0)
     assert ratios(summary, half)["request_throughput"] == pytest.approx(2.0)
@@ -346,6 +352,9 @@ def test_workloads_are_seeded(tmp_path):
     assert len({req.messages[1]["content"] for req in chat}) == 5
     assert build_workload("chat-shared-prefix", 5, 16, seed=1) == chat
     assert build_workload("chat-shared-prefix", 5, 16, seed=2) != chat
+    teams = build_workload("chat-multi-prefix", 40, 16, seed=1)
+    assert len({req.messages[0]["content"] for req in teams}) == 4  # four teams' system prompts, each used
+    assert all(1500 <= len(req.messages[0]["content"]) <= 2100 for req in teams)
     rand = build_workload("random", 20, 8, seed=0, random_words=(3, 9))
     assert all(3 <= len(req.messages[0]["content"].split()) <= 9 for req in rand)
     assert len({len(req.messages[0]["content"].split()) for req in rand}) > 1

@@ -22,6 +22,7 @@ class RequestResult:
     end: float = 0.0  # stream closed
     output_tokens: int = 0  # usage.completion_tokens when the server sends it, else content chunks
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt tokens from the prefix cache
     error: str | None = None
 
     @property
@@ -57,7 +58,7 @@ class RequestResult:
             "index": self.index, "ok": self.ok, "error": self.error,
             "arrival_s": round(self.arrival - origin, 6), "send_s": round(self.send - origin, 6),
             "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot), "e2e_ms": ms(self.e2e),
-            "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
             "itl_ms": [ms(gap) for gap in self.itl],
         }
 
@@ -121,6 +122,8 @@ def handle_event(result: RequestResult, payload: str, received: float) -> bool:
     if usage:
         result.output_tokens = usage.get("completion_tokens", result.output_tokens)
         result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        result.cached_tokens = details.get("cached_tokens", result.cached_tokens)
     return False
 
 

@@ -10,6 +10,7 @@ SUMMARY_COLUMNS = (
     ("req/s", "request_throughput"), ("out tok/s", "output_throughput"), ("goodput", "goodput"),
     ("TTFT p50", "ttft_ms.p50"), ("TTFT p99", "ttft_ms.p99"),
     ("TPOT p50", "tpot_ms.p50"), ("TPOT p99", "tpot_ms.p99"), ("E2E p50", "e2e_ms.p50"),
+    ("cache hit", "cache_hit_rate"),
 )
 
 
@@ -30,7 +31,9 @@ def print_level(label: str, summary: dict, out: TextIO) -> None:
           f"{summary['completed']}/{summary['num_requests']} ok, {summary['errors']} errors "
           f"in {summary['duration_s']:.2f} s | {summary['request_throughput']:.2f} req/s | "
           f"{summary['output_throughput']:.1f} output tok/s"
-          + ("" if goodput is None else f" | goodput {goodput:.2f} req/s"), file=out)
+          + ("" if goodput is None else f" | goodput {goodput:.2f} req/s")
+          + ("" if summary.get("cache_hit_rate") is None else f" | prefix-cache hit rate {summary['cache_hit_rate']:.3f}"),
+          file=out)
     for error in summary["error_samples"]:
         print(f"  error: {error}", file=out)
     header = "".join(f"{name:>10}" for name in ["mean", *(f"p{q}" for q in PERCENTILES)])

@@ -64,6 +64,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--workload", default="chat-shared-prefix", metavar="NAME",
                         help="chat-shared-prefix (one ~400-token system prompt + short distinct questions), "
+                             "chat-multi-prefix (4 such system prompts, one per team, each request picks one), "
                              "random (seeded random-length prompts) or file:F.jsonl (one JSON object per line "
                              "with 'messages' or 'prompt', optional 'max_tokens'); default %(default)s")
     load = parser.add_mutually_exclusive_group()

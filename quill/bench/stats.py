@@ -56,6 +56,15 @@ def latency_samples(results: list[RequestResult]) -> dict[str, list[float]]:
     }
 
 
+def cache_hit_rate(results: list[RequestResult]) -> float | None:
+    """Prompt tokens served from the server's prefix cache / prompt tokens, over the requests whose
+    usage said both (None when the server reports no cached_tokens)."""
+    counted = [r for r in results if r.prompt_tokens and r.cached_tokens is not None]
+    if not counted:
+        return None
+    return sum(r.cached_tokens for r in counted) / sum(r.prompt_tokens for r in counted)
+
+
 def summarize_level(results: list[RequestResult], start: float, end: float, level: float,
                     mode: str, slo: Slo) -> dict:
     """All figures of one load level (concurrency or request rate) as a JSON-ready dict.
@@ -80,6 +89,7 @@ def summarize_level(results: list[RequestResult], start: float, end: float, leve
         "total_output_tokens": output_tokens,
         "mean_output_tokens": output_tokens / len(ok) if ok else None,
         "goodput": sum(slo.met(r) for r in ok) / duration_s if slo.given else None,
+        "cache_hit_rate": cache_hit_rate(ok),
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
     }
     samples = latency_samples(results)

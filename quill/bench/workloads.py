@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOAD_NAMES = ("chat-shared-prefix", "random", "file:F.jsonl")
+WORKLOAD_NAMES = ("chat-shared-prefix", "chat-multi-prefix", "random", "file:F.jsonl")
 
 # Plain words so any tokenizer splits them near one token each; order and choice come from the seed.
 WORDS = (
@@ -61,10 +61,21 @@ def make_words(rng: random.Random, num_words: int) -> str:
 
 def chat_shared_prefix(num_requests: int, max_tokens: int, seed: int) -> list[BenchRequest]:
     """One ~400-token system prompt shared by all requests, plus a short distinct question each."""
+    return multi_prefix_chat(num_requests, max_tokens, seed, num_prefixes=1)
+
+
+def multi_prefix_chat(num_requests: int, max_tokens: int, seed: int, num_prefixes: int = 4) -> list[BenchRequest]:
+    """`num_prefixes` distinct ~400-token system prompts (one per team); each request takes one of
+    them at random (seeded) and adds a short distinct question."""
     rng = random.Random(seed)
-    system = "You are a careful assistant. Use this document to answer.\n\n" + make_text(rng, SHARED_PREFIX_CHARS)
+    if num_prefixes == 1:
+        systems = ["You are a careful assistant. Use this document to answer.\n\n" + make_text(rng, SHARED_PREFIX_CHARS)]
+    else:
+        systems = [f"You are the assistant of team {team + 1}. Use this document to answer.\n\n"
+                   + make_text(rng, SHARED_PREFIX_CHARS) for team in range(num_prefixes)]
     requests = []
     for index in range(num_requests):
+        system = systems[0] if num_prefixes == 1 else rng.choice(systems)
         topic = rng.choice(QUESTION_TOPICS)
         # The index makes every question distinct even when the random words repeat.
         question = f"Question {index + 1}: {topic} the part about {rng.choice(WORDS)} and {rng.choice(WORDS)}."
@@ -124,6 +135,8 @@ def build_workload(spec: str, num_requests: int, max_tokens: int, seed: int,
     """The request list for a --workload value."""
     if spec == "chat-shared-prefix":
         return chat_shared_prefix(num_requests, max_tokens, seed)
+    if spec == "chat-multi-prefix":
+        return multi_prefix_chat(num_requests, max_tokens, seed)
     if spec == "random":
         return random_prompts(num_requests, max_tokens, seed, random_words)
     if spec.startswith("file:") and len(spec) > len("file:"):

@@ -117,6 +117,13 @@ class AsyncEngine:
     def stats(self) -> dict:
         return {**self._gauges, "process_rss_bytes": process_rss_bytes()}
 
+    def cached_block_hashes(self) -> list:
+        return self.engine.cached_block_hashes()
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_manager.block_size
+
     # ---- the loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:

@@ -67,6 +67,10 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------
 
+    def cached_hashes(self) -> list:
+        """The digests of every block the prefix cache holds (safe to call from another thread)."""
+        return self._pool.cached_hashes() if self.enable_prefix_caching else []
+
     def get_computed_blocks(self, token_ids: TokenIds[int]) -> tuple[list[int], int]:
         """Longest cached run of full leading blocks: (block_ids, num_cached_tokens).
 

@@ -26,6 +26,17 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return digest.digest()
 
 
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: HashFn = hash_block_tokens) -> list[BlockHash]:
+    """The chained digests of the full blocks of `token_ids`: what a prefix-cache lookup of
+    these tokens asks the pool for, block by block (the partial last block has none)."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_fn(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class Block:
     """One KV block's bookkeeping: who uses it and, once full and computed, what it holds."""
 
@@ -75,6 +86,11 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every registered digest (in use or evictable). One C-level copy of the index's keys,
+        so another thread may call it while the engine thread changes the index."""
+        return list(self._cached)
 
     def num_evictable_among(self, block_ids: Iterable[int]) -> int:
         return sum(1 for block_id in block_ids if block_id in self._evictable)

@@ -450,6 +450,11 @@ class LLMEngine:
         return out
 
     # ---- gauges -------------------------------------------------------------------------------
+    def cached_block_hashes(self) -> list:
+        """Block digests (block_pool.hash_block_tokens chains) this engine's prefix cache holds:
+        what a prefix-aware router compares a prompt's prefix_block_hashes with."""
+        return self.block_manager.cached_hashes()
+
     def gauges(self) -> dict:
         bm = self.block_manager
         return {

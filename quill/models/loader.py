@@ -98,6 +98,21 @@ def load_model(model: str | None = None, device: str = "cpu", quantize: str | No
     return loaded
 
 
+def load_tokenizer(model: str | None = None):
+    """The model's tokenizer and chat template without its weights (a GGUF file's metadata, a
+    folder's tokenizer files, or a .quill file's stored copy): what a router needs to see a
+    prompt's tokens as the engine will."""
+    from quill.models import quillfile
+    from quill.tokenizer import Tokenizer
+
+    path = resolve_model_path(model)
+    if quillfile.is_quill_file(path):
+        return quillfile.QuillFile(path).tokenizer()
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    return Tokenizer.from_gguf_file(path)
+
+
 def quantize_for(path: Path, quantize: str | None) -> str | None:
     """--quantize as it applies to `path`: a folder's choice, checked; None for a GGUF or .quill file, whose
     weights are used as they are (with a warning when it was asked for)."""

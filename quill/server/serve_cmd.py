@@ -55,6 +55,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-headers", type=positive_int, default=100, metavar="N", help="most header lines in a request; 431 beyond (default 100)")
     c.add_argument("--limit-concurrency", type=positive_int, default=1000, metavar="N",
                    help="open connections + requests before new requests get 503 (default 1000)")
+    r = p.add_argument_group("Ray Serve: several replicas behind one endpoint (needs `pip install 'quill[ray]'`)")
+    r.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve: each replica is a quill engine, requests routed by prompt prefix "
+                        "(docs/SCALING.md)")
+    r.add_argument("--replicas", type=positive_int, default=None, metavar="N", help="replicas to run (default 1)")
+    r.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
+                   help="autoscale between --replicas and N on ongoing requests per replica (default: no autoscaling)")
+    r.add_argument("--target-ongoing-requests", type=positive_float, default=None, metavar="N",
+                   help="autoscaling target: ongoing requests per replica (default 8)")
+    r.add_argument("--max-ongoing-requests", type=positive_int, default=None, metavar="N",
+                   help="requests one replica takes at once; the rest wait in Ray Serve (default 2 x --max-num-seqs)")
+    r.add_argument("--router", choices=["prefix", "pow2", "round-robin", "ray-prefix"], default=None,
+                   help="replica choice: prefix (quill's KV block hashes, default), pow2 (Ray's power of two choices), "
+                        "round-robin, ray-prefix (Ray's PrefixCacheAffinityRouter, needs ray[llm])")
+    r.add_argument("--route-imbalance", type=int, default=None, metavar="N",
+                   help="prefix router: fall back to power of two choices when ongoing requests differ by more "
+                        "than N between replicas (default 4)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join a running Ray cluster (e.g. 'auto' or 'ray://head:10001'; default: start one here)")
     t = p.add_argument_group("testing")
     t.add_argument("--enable-fault-injection", action="store_true",
                    help="for soak/fault tests only: honour the 'X-Quill-Fault: PHASE' request header, which makes "
@@ -83,10 +102,23 @@ def engine_config(args):
     return config
 
 
+RAY_ONLY_FLAGS = ("replicas", "max_replicas", "target_ongoing_requests", "max_ongoing_requests", "router",
+                  "route_imbalance", "ray_address")
+
+
 def run(args) -> int:
     from quill.server.runner import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not args.ray:
+        given = [name for name in RAY_ONLY_FLAGS if getattr(args, name, None) is not None]
+        if given:
+            print(f"quill serve: --{given[0].replace('_', '-')} needs --ray", file=sys.stderr)
+            return 2
+    else:
+        from quill.cluster.serve_cmd import run_ray  # only here: the single-process server never imports Ray
+
+        return run_ray(args)
     try:
         config = engine_config(args)
     except (TypeError, ValueError) as exc:
