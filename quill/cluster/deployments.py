@@ -115,6 +115,7 @@ class QuillReplica:
 
     def __init__(self, args: argparse.Namespace, app_name: str = APP_NAME):
         from quill.engine.async_engine import AsyncEngine
+        from quill.engine.engine import freeze_heap
         from quill.server.app import attach_engine, create_app
         from quill.server.serve_cmd import engine_config
 
@@ -122,6 +123,7 @@ class QuillReplica:
                               max_body_bytes=args.max_body_size, reasoning_format=args.reasoning_format,
                               tool_parser=args.tool_parser)
         self.engine = AsyncEngine.from_config(engine_config(args))
+        freeze_heap()  # a replica's process is quill's, as `quill serve`'s is
         self.engine.start()
         attach_engine(self.app, self.engine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
