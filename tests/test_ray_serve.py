@@ -97,6 +97,10 @@ def test_chat_streamed_and_not(cluster):
     assert err.value.body["code"] == "model_not_found"
     bad = httpx.post(cluster.url + "/v1/messages", json={"model": MODEL, "max_tokens": 0, "messages": messages}, timeout=30)
     assert bad.status_code == 400 and bad.json()["type"] == "error"
+    # The ingress reads a body only up to --max-body-size (4 MiB by default), as quill serve does.
+    huge = httpx.post(cluster.url + "/v1/chat/completions", content=b"x" * (5 << 20), timeout=60,
+                      headers={"content-type": "application/json"})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
 
 
 def test_metrics_carry_a_replica_label(cluster):
@@ -147,11 +151,12 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_endpoint_keeps_serv
     pids = _replica_pids()
     assert len(pids) == 2, pids
     results: list[str] = []
-    started = threading.Barrier(7)
+    streaming: dict[str, int] = {}  # replica id -> streams that have their first token
+    lock = threading.Lock()
+    first_token = threading.Condition(lock)
 
     def stream_one(index: int) -> None:
-        # Distinct first blocks: the prefix router sends unmatched prompts to the least loaded replica,
-        # so both replicas hold streams when one is killed.
+        # Distinct first blocks: the prefix router sends unmatched prompts to the least loaded replica.
         body = {"model": MODEL, "messages": [{"role": "system", "content": f"{index} {index} {index} You count."},
                                              {"role": "user", "content": f"Count to fifty, take {index}."}],
                 "max_tokens": 64, "stream": True, "ignore_eos": True}
@@ -159,17 +164,15 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_endpoint_keeps_serv
         try:
             with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=120) as response:
                 if response.status_code != 200:
-                    started.wait(timeout=60)
-                    error = json.loads(response.read())["error"]
-                    results.append(f"http {response.status_code} {error['code']}")
+                    results.append(f"http {response.status_code} {json.loads(response.read())['error']['code']}")
                     return
-                waited = False
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
-                        if not waited:
-                            started.wait(timeout=60)
-                            waited = True
+                        if len(events) == 2:
+                            with first_token:
+                                streaming[response.headers["x-quill-replica"]] = streaming.get(response.headers["x-quill-replica"], 0) + 1
+                                first_token.notify_all()
         except httpx.HTTPError as exc:
             results.append(f"transport {type(exc).__name__}")
             return
@@ -181,16 +184,20 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_endpoint_keeps_serv
             assert last["choices"][0]["finish_reason"] == "length"
             results.append("finished")
 
-    threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    started.wait(timeout=60)  # every stream has its first token
+    threads = []
+    with first_token:
+        # Streams until both replicas are serving one (any replica killed then has streams in flight).
+        while len(streaming) < 2 and len(threads) < 8:
+            threads.append(threading.Thread(target=stream_one, args=(len(threads),)))
+            threads[-1].start()
+            first_token.wait_for(lambda: sum(streaming.values()) >= len(threads) or len(results) > 0, timeout=60)
+    assert len(streaming) == 2, (streaming, results)
     os.kill(random.Random(0).choice(pids), signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=120)
-    assert len(results) == 6, results
+    assert len(results) == len(threads), results
     assert all(r == "finished" or r in ("error event replica_failed", "http 503 replica_failed") for r in results), results
-    assert "error event replica_failed" in results  # the killed replica had streams in flight
+    assert "error event replica_failed" in results and "finished" in results, results
     # New requests go to the live replica, then Ray brings the dead one back.
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=2, timeout=120)
     for _ in range(3):

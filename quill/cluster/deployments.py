@@ -42,6 +42,9 @@ METRICS_PUSH_S = 1.0  # how often a replica sends its /metrics text to the hub
 ROUTING_STATS_S = 2.0  # how often Ray Serve asks a replica for its cached block hashes
 MAX_REPORTED_HASHES = 1 << 17  # 2 MiB of 16-byte digests at most per report
 REPLICA_HEADER = b"x-quill-replica"
+# Ray's own prefix router, by its module path: the public alias (ray.serve.llm.request_router) refuses
+# to import without vLLM or SGLang; this one needs only pyarrow. Kept for comparison (docs/SCALING.md).
+RAY_PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
 
 
 def parse_serve_args(argv: list[str]) -> argparse.Namespace:
@@ -189,6 +192,7 @@ class QuillIngress:
         self.replica = replica
         self.app_name = app_name
         self.block_size = args.block_size
+        self.max_body_bytes = args.max_body_size
         self.tokenizer = load_tokenizer(args.model)
         self.hub = metrics_hub(app_name)
 
@@ -196,16 +200,23 @@ class QuillIngress:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             return await self._metrics()
-        body = await request.body()
+        body = await self._body_within_limit(request)
+        if isinstance(body, Response):
+            return body
         hashes, prompt = (), ""
         if request.method == "POST" and path in PREFIX_ROUTED_PATHS:
             hashes, prompt = await asyncio.to_thread(routing_key, self.tokenizer, self.block_size, path, body)
         client = (request.client.host, request.client.port) if request.client else None
+        # A text-matching router (Ray's PrefixCacheAffinityRouter) divides by the text's length:
+        # a request without a prompt (/health, /v1/models) offers its method and path instead.
         call = QuillCall(request.method, path, request.scope.get("query_string", b""), tuple(request.headers.raw), body,
-                         client, hashes, prompt)
+                         client, hashes, prompt or f"{request.method} {path}")
         stream = self.replica.options(stream=True).handle.remote(call)
         try:
             start = await stream.__anext__()
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
         except Exception as exc:  # noqa: BLE001 - the replica died or failed before answering
             return self._replica_failed(path, exc)
         if not isinstance(start, ResponseStart):
@@ -216,17 +227,45 @@ class QuillIngress:
         response.raw_headers = headers
         return response
 
+    async def _body_within_limit(self, request: Request) -> bytes | Response:
+        """The request body, read here only up to --max-body-size (a 413 past it, as quill serve
+        answers): the ingress must not hold an unbounded body in memory before a replica refuses it."""
+        from quill.server.errors import APIError, error_response
+        from quill.server.guard import read_body, too_large
+
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return error_response(too_large(f"request body is {int(declared):,} bytes, over", limit), request.url.path)
+        body, size, _ = await read_body(request.receive, limit)
+        if body is None and size > limit:
+            return error_response(too_large(f"request body is at least {size:,} bytes, over", limit), request.url.path)
+        if body is None:
+            return error_response(APIError(400, "the client disconnected before sending the whole body",
+                                           code="invalid_request"), request.url.path)
+        return body
+
     async def _body(self, stream, path: str, is_stream: bool, replica: str):
+        """The replica's body pieces. When the client goes away, Ray Serve cancels this; the
+        replica's call is cancelled here too, explicitly: Ray's own propagation to calls a request
+        made does not always reach one whose caller has already returned its response (measured:
+        a disconnected stream ran to its max_tokens on the replica)."""
+        finished = False
         try:
             async for piece in stream:
                 yield piece
-        except asyncio.CancelledError:
+            finished = True
+        except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:  # noqa: BLE001 - the replica died mid-answer
+            finished = True
             logger.warning("replica %s failed during %s: %s: %s", replica, path, type(exc).__name__, exc)
             if is_stream:
                 yield _stream_error(path, f"the replica serving this request failed ({type(exc).__name__}); "
                                           "retry: another replica will take it")
+        finally:
+            if not finished:
+                stream.cancel()
 
     def _replica_failed(self, path: str, exc: BaseException) -> Response:
         from quill.server.errors import APIError, error_response
@@ -256,7 +295,7 @@ def router_config(options: ClusterOptions) -> RequestRouterConfig | None:
 
         return RequestRouterConfig(request_router_class=RoundRobinRouter)
     if options.router == "ray-prefix":
-        return RequestRouterConfig(request_router_class="ray.serve.llm.request_router.PrefixCacheAffinityRouter",
+        return RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER,
                                    request_router_kwargs={"imbalanced_threshold": options.imbalance_threshold})
     from quill.cluster.ray_router import QuillPrefixRouter
 

@@ -22,7 +22,8 @@ PREFIX_ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages"
 class QuillCall:
     """One HTTP request as the ingress forwards it to a replica, which runs it through the
     same FastAPI app as `quill serve` (quill.cluster.bridge). `block_hashes` is the routing key;
-    `prompt` is the rendered prompt text, for routers that match on text."""
+    `prompt` is the rendered prompt text, for routers that match on text (Ray's
+    PrefixCacheAffinityRouter reads an argument's `prompt`), never empty."""
 
     method: str
     path: str

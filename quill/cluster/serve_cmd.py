@@ -71,10 +71,14 @@ def run_ray(args) -> int:
         print(f"quill serve --ray needs Ray Serve ({exc}): pip install 'quill[ray]'", file=sys.stderr)
         return 2
     if args.router == "ray-prefix":
+        import importlib
+
+        from quill.cluster.deployments import RAY_PREFIX_ROUTER
+
         try:
-            import ray.serve.llm.request_router  # noqa: F401
+            importlib.import_module(RAY_PREFIX_ROUTER.rsplit(".", 1)[0])
         except ImportError as exc:
-            print(f"quill serve: --router ray-prefix needs Ray's LLM extra ({exc}): pip install 'ray[llm]'", file=sys.stderr)
+            print(f"quill serve: --router ray-prefix needs pyarrow ({exc}): pip install pyarrow", file=sys.stderr)
             return 2
     try:
         options = cluster_options(args)
@@ -100,7 +104,8 @@ def run_ray(args) -> int:
                f"ongoing requests each" if options.autoscaling else f"{options.replicas} replica(s)")
     print(f"quill: serving on Ray Serve at {url}/v1 ({scaling}, {args.threads} thread(s) each, router "
           f"{options.router}; metrics {url}/metrics)", flush=True)
-    stopping.wait()
+    while not stopping.wait(0.5):  # wake up now and then: Ray's threads may take the signal, and the
+        pass                       # main thread runs the Python handler only when it is not blocked
     logger.info("stopping the Serve application")
     stop(options.app_name, shutdown_ray=args.ray_address is None)
     return 0

@@ -43,17 +43,17 @@ class GuardMiddleware:
             if not declared.isdigit():
                 return await self._refuse(scope, receive, send, APIError(400, f"Content-Length header is not a number: {declared!r}", code="invalid_request"))
             if int(declared) > limit:
-                return await self._refuse(scope, receive, send, _too_large(f"request body is {int(declared):,} bytes, over", limit))
+                return await self._refuse(scope, receive, send, too_large(f"request body is {int(declared):,} bytes, over", limit))
         timeout = state.limits.body_timeout
         try:
             async with asyncio.timeout(timeout):
-                body, size, pending = await _read_body(receive, limit)
+                body, size, pending = await read_body(receive, limit)
         except TimeoutError:
             message = f"the request body did not arrive within {timeout:g} s (--body-timeout)"
             err = APIError(408, message, code="request_timeout", headers={"Connection": "close"})
             return await self._refuse(scope, receive, send, err, body_pending=False)
         if body is None and size > limit:
-            return await self._refuse(scope, receive, send, _too_large(f"request body is at least {size:,} bytes, over", limit), body_pending=pending)
+            return await self._refuse(scope, receive, send, too_large(f"request body is at least {size:,} bytes, over", limit), body_pending=pending)
         if body is None:  # the client left
             return None
         return await self.app(_as_json(scope), _replay(body, receive), send)
@@ -75,7 +75,7 @@ class GuardMiddleware:
 _DISCARD_LIMIT = 64 * 1024 * 1024
 
 
-async def _read_body(receive, limit: int) -> tuple[bytes | None, int, bool]:
+async def read_body(receive, limit: int) -> tuple[bytes | None, int, bool]:
     """(body, bytes seen, more pending); body is None when the client left or it passed `limit`."""
     chunks, size = [], 0
     while True:
@@ -118,7 +118,7 @@ def _header_problem(scope, limits) -> APIError | None:
     return None
 
 
-def _too_large(what: str, limit: int) -> APIError:
+def too_large(what: str, limit: int) -> APIError:
     return APIError(413, f"{what} the limit of {limit:,} bytes (--max-body-size)", code="request_too_large")
 
 

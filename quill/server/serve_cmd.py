@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests one replica takes at once; the rest wait in Ray Serve (default 2 x --max-num-seqs)")
     r.add_argument("--router", choices=["prefix", "pow2", "round-robin", "ray-prefix"], default=None,
                    help="replica choice: prefix (quill's KV block hashes, default), pow2 (Ray's power of two choices), "
-                        "round-robin, ray-prefix (Ray's PrefixCacheAffinityRouter, needs ray[llm])")
+                        "round-robin, ray-prefix (Ray's PrefixCacheAffinityRouter, needs pyarrow)")
     r.add_argument("--route-imbalance", type=int, default=None, metavar="N",
                    help="prefix router: fall back to power of two choices when ongoing requests differ by more "
                         "than N between replicas (default 4)")
