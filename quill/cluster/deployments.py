@@ -32,12 +32,11 @@ from starlette.responses import Response, StreamingResponse
 
 from quill.cluster.bridge import ResponseStart, respond
 from quill.cluster.metrics import MetricsBoard, merge_replica_metrics
-from quill.cluster.routing import PREFIX_ROUTED_PATHS, QuillCall, routing_key
+from quill.cluster.routing import DEFAULT_IMBALANCE, PREFIX_ROUTED_PATHS, ROUTERS, QuillCall, routing_key
 
 logger = logging.getLogger("quill.cluster")
 
 APP_NAME = "quill"
-ROUTERS = ("prefix", "pow2", "round-robin", "ray-prefix")
 METRICS_PUSH_S = 1.0  # how often a replica sends its /metrics text to the hub
 ROUTING_STATS_S = 2.0  # how often Ray Serve asks a replica for its cached block hashes
 MAX_REPORTED_HASHES = 1 << 17  # 2 MiB of 16-byte digests at most per report
@@ -67,7 +66,7 @@ class ClusterOptions:
     target_ongoing_requests: float = 8.0
     max_ongoing_requests: int = 128
     router: str = "prefix"
-    imbalance_threshold: int = 4
+    imbalance_threshold: int = DEFAULT_IMBALANCE
     replica_cpus: float = 1.0  # Ray's CPU reservation per replica (its --threads)
     app_name: str = APP_NAME
 
@@ -228,18 +227,19 @@ class QuillIngress:
         return response
 
     async def _body_within_limit(self, request: Request) -> bytes | Response:
-        """The request body, read here only up to --max-body-size (a 413 past it, as quill serve
-        answers): the ingress must not hold an unbounded body in memory before a replica refuses it."""
+        """The request body, read here only up to --max-body-size (the 413 or 400 quill serve's guard
+        answers, from the same checks): the ingress must not hold an unbounded body in memory before a
+        replica refuses it."""
         from quill.server.errors import APIError, error_response
-        from quill.server.guard import read_body, too_large
+        from quill.server.guard import body_over_limit, declared_length_problem, read_body
 
         limit = self.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return error_response(too_large(f"request body is {int(declared):,} bytes, over", limit), request.url.path)
+        declared = declared_length_problem(request.headers.get("content-length"), limit)
+        if declared is not None:
+            return error_response(declared, request.url.path)
         body, size, _ = await read_body(request.receive, limit)
         if body is None and size > limit:
-            return error_response(too_large(f"request body is at least {size:,} bytes, over", limit), request.url.path)
+            return error_response(body_over_limit(size, limit), request.url.path)
         if body is None:
             return error_response(APIError(400, "the client disconnected before sending the whole body",
                                            code="invalid_request"), request.url.path)

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from quill.cluster.routing import PrefixRoutingPolicy, QuillCall
+from quill.cluster.routing import DEFAULT_IMBALANCE, PrefixRoutingPolicy, QuillCall
 
 
 def _call(pending_request: Optional[PendingRequest]) -> QuillCall | None:
@@ -26,7 +26,7 @@ def _call(pending_request: Optional[PendingRequest]) -> QuillCall | None:
 class QuillPrefixRouter(RequestRouter):
     """Routes each request to the replica holding the longest run of its prompt's KV blocks."""
 
-    def initialize_state(self, imbalance_threshold: int = 4, report_margin_s: float = 10.0):
+    def initialize_state(self, imbalance_threshold: int = DEFAULT_IMBALANCE, report_margin_s: float = 10.0):
         self.policy = PrefixRoutingPolicy(imbalance_threshold=int(imbalance_threshold), report_margin_s=float(report_margin_s))
 
     def _read_reports(self, replicas: List[RunningReplica]) -> None:

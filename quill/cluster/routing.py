@@ -16,6 +16,8 @@ from typing import Hashable, Sequence
 from quill.engine.block_pool import BlockHash, prefix_block_hashes
 
 PREFIX_ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+ROUTERS = ("prefix", "pow2", "round-robin", "ray-prefix")  # --router: quill's, Ray Serve's default, a baseline, Ray's LLM one
+DEFAULT_IMBALANCE = 4  # --route-imbalance: in-flight spread between replicas above which the prefix router routes by load
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class PrefixRoutingPolicy:
     one holding the fewest blocks, so distinct prefixes spread over the replicas.
     """
 
-    def __init__(self, imbalance_threshold: int = 4, report_margin_s: float = 10.0,
+    def __init__(self, imbalance_threshold: int = DEFAULT_IMBALANCE, report_margin_s: float = 10.0,
                  max_routed_blocks: int = 65536, rng: random.Random | None = None, clock=time.time):
         if imbalance_threshold < 0:
             raise ValueError(f"imbalance_threshold must be >= 0, got {imbalance_threshold}")

@@ -11,26 +11,23 @@ import threading
 
 logger = logging.getLogger("quill.cluster")
 
-DEFAULT_TARGET_ONGOING = 8.0
-DEFAULT_IMBALANCE = 4
-
 
 def cluster_options(args, cpu_count: int | None = None):
     """ClusterOptions from `quill serve --ray` flags. Without --threads each replica gets an equal
     share of this machine's cores (at least one); Ray reserves that many CPUs per replica."""
     from quill.cluster.deployments import ClusterOptions
 
-    replicas = args.replicas or 1
+    replicas = args.replicas or ClusterOptions.replicas
     if args.threads is None:
         args.threads = max(1, (cpu_count or os.cpu_count() or 1) // replicas)
     return ClusterOptions(
         serve_args=args,
         replicas=replicas,
         max_replicas=args.max_replicas,
-        target_ongoing_requests=args.target_ongoing_requests or DEFAULT_TARGET_ONGOING,
+        target_ongoing_requests=args.target_ongoing_requests or ClusterOptions.target_ongoing_requests,
         max_ongoing_requests=args.max_ongoing_requests or 2 * args.max_num_seqs,
-        router=args.router or "prefix",
-        imbalance_threshold=DEFAULT_IMBALANCE if args.route_imbalance is None else args.route_imbalance,
+        router=args.router or ClusterOptions.router,
+        imbalance_threshold=ClusterOptions.imbalance_threshold if args.route_imbalance is None else args.route_imbalance,
         replica_cpus=float(args.threads),
     )
 

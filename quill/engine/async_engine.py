@@ -140,10 +140,6 @@ class AsyncEngine:
     def cached_block_hashes(self) -> list:
         return self.engine.cached_block_hashes()
 
-    @property
-    def block_size(self) -> int:
-        return self.engine.block_manager.block_size
-
     # ---- the loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:

@@ -38,12 +38,9 @@ class GuardMiddleware:
         if scope["method"] not in _BODY_METHODS:
             return await self.app(scope, receive, send)
         limit = state.max_body_bytes
-        declared = _header(scope, b"content-length")
+        declared = declared_length_problem(_header(scope, b"content-length"), limit)
         if declared is not None:
-            if not declared.isdigit():
-                return await self._refuse(scope, receive, send, APIError(400, f"Content-Length header is not a number: {declared!r}", code="invalid_request"))
-            if int(declared) > limit:
-                return await self._refuse(scope, receive, send, too_large(f"request body is {int(declared):,} bytes, over", limit))
+            return await self._refuse(scope, receive, send, declared)
         timeout = state.limits.body_timeout
         try:
             async with asyncio.timeout(timeout):
@@ -53,7 +50,7 @@ class GuardMiddleware:
             err = APIError(408, message, code="request_timeout", headers={"Connection": "close"})
             return await self._refuse(scope, receive, send, err, body_pending=False)
         if body is None and size > limit:
-            return await self._refuse(scope, receive, send, too_large(f"request body is at least {size:,} bytes, over", limit), body_pending=pending)
+            return await self._refuse(scope, receive, send, body_over_limit(size, limit), body_pending=pending)
         if body is None:  # the client left
             return None
         return await self.app(_as_json(scope), _replay(body, receive), send)
@@ -118,8 +115,25 @@ def _header_problem(scope, limits) -> APIError | None:
     return None
 
 
-def too_large(what: str, limit: int) -> APIError:
+def _too_large(what: str, limit: int) -> APIError:
     return APIError(413, f"{what} the limit of {limit:,} bytes (--max-body-size)", code="request_too_large")
+
+
+def declared_length_problem(declared: str | None, limit: int) -> APIError | None:
+    """A Content-Length header that is not a number (400) or is over `limit` (413); None when it
+    is absent or fine."""
+    if declared is None:
+        return None
+    if not declared.isdigit():
+        return APIError(400, f"Content-Length header is not a number: {declared!r}", code="invalid_request")
+    if int(declared) > limit:
+        return _too_large(f"request body is {int(declared):,} bytes, over", limit)
+    return None
+
+
+def body_over_limit(size: int, limit: int) -> APIError:
+    """The 413 for a body that passed `limit` while it was read (read_body stopped at `size` bytes)."""
+    return _too_large(f"request body is at least {size:,} bytes, over", limit)
 
 
 _NOT_JSON_TYPES = ("application/x-www-form-urlencoded", "text/plain", "")

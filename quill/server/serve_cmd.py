@@ -9,6 +9,7 @@ import os
 import sys
 
 from quill.cli_args import add_engine_args, engine_config_from_args, parse_size, positive_float, positive_int, size_arg  # noqa: F401
+from quill.cluster.routing import ROUTERS  # plain Python: the single-process server still never imports Ray
 
 logger = logging.getLogger("quill.server")
 
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="autoscaling target: ongoing requests per replica (default 8)")
     r.add_argument("--max-ongoing-requests", type=positive_int, default=None, metavar="N",
                    help="requests one replica takes at once; the rest wait in Ray Serve (default 2 x --max-num-seqs)")
-    r.add_argument("--router", choices=["prefix", "pow2", "round-robin", "ray-prefix"], default=None,
+    r.add_argument("--router", choices=ROUTERS, default=None,
                    help="replica choice: prefix (quill's KV block hashes, default), pow2 (Ray's power of two choices), "
                         "round-robin, ray-prefix (Ray's PrefixCacheAffinityRouter, needs pyarrow)")
     r.add_argument("--route-imbalance", type=int, default=None, metavar="N",
