@@ -92,13 +92,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "agreement; exact: fp32 activations (default exact, or QUILL_INT8_ACTIVATIONS=1)")
 
 
-    g.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=SpeculativeConfig.method,
+    g.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                    help="speculative decoding: ngram = propose the tokens that followed the last few tokens earlier "
-                        "in the prompt or output, and verify them in one pass; outputs are identical with it off, "
-                        "only speed changes (default %(default)s)")
+                        "in the prompt or output; draft = a draft model's guesses (--draft-model or --draft-layers); "
+                        "either is verified in one pass, and outputs are identical with it off, only speed changes "
+                        f"(default {SpeculativeConfig.method}, or draft when a draft is given)")
     g.add_argument("--num-speculative-tokens", type=positive_int, default=SpeculativeConfig.num_tokens,
                    help="tokens proposed per sequence and step, at most; fewer when they are rarely accepted or "
                         "the batch is large (default %(default)s)")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a smaller model with the same tokenizer (GGUF, folder or .quill) whose greedy guesses "
+                        "are verified; its K/V takes part of --kv-cache-memory")
+    g.add_argument("--draft-layers", default=None, metavar="N|RANGES",
+                   help="self-speculation: guess with the model's own first N layers, or those listed "
+                        "(\"0-5,26-29\"), then its LM head; no extra memory")
 
 
 def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = None) -> EngineConfig:
@@ -121,14 +128,16 @@ def engine_config_from_args(args: argparse.Namespace, max_waiting: int | None = 
             max_num_seqs=args.max_num_seqs,
             max_waiting=max_waiting,
         ),
-        speculative=speculative_config(args.speculative, args.num_speculative_tokens),
+        speculative=speculative_config(args),
     )
 
 
-def speculative_config(method: str, num_tokens: int) -> SpeculativeConfig:
-    """--speculative / --num-speculative-tokens, checked (a bad value exits naming the limit)."""
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """--speculative, --num-speculative-tokens, --draft-model, --draft-layers, checked (a bad value
+    exits naming the limit)."""
     try:
-        return SpeculativeConfig(method=method, num_tokens=num_tokens)
+        return SpeculativeConfig.from_options(args.speculative, args.num_speculative_tokens, args.draft_model,
+                                              args.draft_layers)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 

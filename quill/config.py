@@ -268,7 +268,25 @@ class SchedulerConfig:
     max_waiting: int | None = None  # admission beyond this is refused (server sheds load)
 
 
-SPECULATIVE_METHODS = ("ngram", "off")  # --speculative
+SPECULATIVE_METHODS = ("ngram", "draft", "off")  # --speculative
+
+
+def parse_draft_layers(spec: str) -> tuple[int, ...]:
+    """--draft-layers: "N" = the target's first N layers; "0-5,26-29" = those layers (ranges inclusive)."""
+    text = spec.strip()
+    try:
+        if text.isdigit():
+            return tuple(range(int(text)))
+        layers: set[int] = set()
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            a, b = int(lo), int(hi) if sep else int(lo)
+            if a > b:
+                raise ValueError
+            layers.update(range(a, b + 1))
+    except ValueError:
+        raise ValueError(f"draft layers must be a count (\"8\") or layer ranges (\"0-5,26-29\"); got {spec!r}") from None
+    return tuple(sorted(layers))
 
 
 @dataclass(frozen=True)
@@ -276,12 +294,16 @@ class SpeculativeConfig:
     """Speculative decoding (quill/engine/speculative.py): propose tokens, verify them in one pass.
 
     Outputs never change: proposals are checked by the batch-invariant decode rows and the
-    request's own sampler, so only speed does."""
+    request's own sampler, so only speed does. Proposers: "ngram" (prompt lookup) and "draft", a
+    draft model's greedy guesses: another model with the same tokenizer (draft_model), or a subset
+    of the target's own layers (draft_layers: self-speculation, no extra weights or KV)."""
 
-    method: str = "ngram"  # "ngram": prompt lookup (on by default: it measured no loss where it cannot help); "off"
+    method: str = "ngram"  # "ngram": prompt lookup (on by default: it measured no loss where it cannot help); "draft"; "off"
     num_tokens: int = 8  # proposed tokens per sequence and step, at most (the cost model picks fewer)
     ngram_max: int = 4  # the longest suffix looked up in the prompt and output
     ngram_min: int = 2  # the shortest
+    draft_model: str | None = None  # "draft": a model path (GGUF, folder, .quill) with the target's tokenizer
+    draft_layers: tuple[int, ...] | None = None  # "draft": these layers of the target (sorted, distinct)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -290,10 +312,33 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, 16]; got {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 8:
             raise ValueError(f"n-gram lengths must satisfy 1 <= min <= max <= 8; got min {self.ngram_min}, max {self.ngram_max}")
+        drafts = [name for name, v in (("draft_model", self.draft_model), ("draft_layers", self.draft_layers)) if v is not None]
+        if self.method == "draft" and len(drafts) != 1:
+            raise ValueError("speculative method 'draft' needs exactly one of a draft model (--draft-model PATH) or "
+                             f"draft layers of the target (--draft-layers N); got {len(drafts)}")
+        if self.method != "draft" and drafts:
+            raise ValueError(f"{drafts[0]} is for speculative method 'draft', not {self.method!r}")
+        if self.draft_layers is not None and (not self.draft_layers or list(self.draft_layers) != sorted(set(self.draft_layers))
+                                              or self.draft_layers[0] < 0):
+            raise ValueError(f"draft layers must be distinct non-negative layer numbers in order; got {self.draft_layers}")
 
     @property
     def enabled(self) -> bool:
         return self.method != "off"
+
+    @classmethod
+    def from_options(cls, method: str | None = None, num_tokens: int | None = None, draft_model: str | None = None,
+                     draft_layers: str | int | tuple[int, ...] | None = None) -> "SpeculativeConfig":
+        """The flags' and LLM's form: method None is "draft" when a draft is named, else the default;
+        draft_layers as --draft-layers text, a count, or layer numbers."""
+        if isinstance(draft_layers, (str, int)) and not isinstance(draft_layers, bool):
+            draft_layers = parse_draft_layers(str(draft_layers))
+        elif draft_layers is not None:
+            draft_layers = tuple(draft_layers)
+        if method is None:
+            method = "draft" if draft_model is not None or draft_layers is not None else cls.method
+        return cls(method, cls.num_tokens if num_tokens is None else num_tokens,
+                   draft_model=draft_model, draft_layers=draft_layers)
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,13 @@ class LLM:
         kv_cache_dtype: str = "auto",
         activations: str | None = None,
         cache_dir: str | None = None,
-        speculative: str = SpeculativeConfig.method,
+        speculative: str | None = None,
         num_speculative_tokens: int = SpeculativeConfig.num_tokens,
+        draft_model: str | None = None,
+        draft_layers: str | int | tuple[int, ...] | None = None,
     ):
+        """speculative: "ngram" (the default), "draft" (the default when draft_model or draft_layers is
+        given) or "off"; outputs are the same either way, only speed changes."""
         config = EngineConfig(
             model=model,
             device=device,
@@ -53,7 +57,7 @@ class LLM:
             max_model_len=max_model_len,
             cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks, kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
-            speculative=SpeculativeConfig(speculative, num_speculative_tokens),
+            speculative=SpeculativeConfig.from_options(speculative, num_speculative_tokens, draft_model, draft_layers),
         )
         self._init_engine(config)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from quill.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from quill.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, parse_draft_layers
 from quill.engine.block_manager import BlockManager
 from quill.engine.engine import LLMEngine, _token_times
 from quill.engine.sampler import Sampler, SamplingRow
@@ -229,6 +229,85 @@ def test_speculator_leaves_room_for_max_tokens_and_cuts_constrained_runs_at_stop
     assert seq.draft_token_ids == [8, 9]  # 10 is a stop token: a grammar never sees it
 
 
+def test_draft_options_name_one_draft_and_parse_layer_ranges():
+    assert parse_draft_layers("3") == (0, 1, 2)
+    assert parse_draft_layers("0-2, 7,5-6") == (0, 1, 2, 5, 6, 7)
+    for bad in ("", "x", "3-1", "1-"):
+        with pytest.raises(ValueError, match="draft layers"):
+            parse_draft_layers(bad)
+    assert SpeculativeConfig.from_options().method == "ngram"
+    assert SpeculativeConfig.from_options(draft_layers="4") == SpeculativeConfig("draft", draft_layers=(0, 1, 2, 3))
+    assert SpeculativeConfig.from_options(None, 3, "d.gguf").draft_model == "d.gguf"
+    with pytest.raises(ValueError, match="exactly one"):
+        SpeculativeConfig("draft")
+    with pytest.raises(ValueError, match="exactly one"):
+        SpeculativeConfig("draft", draft_model="d.gguf", draft_layers=(0,))
+    with pytest.raises(ValueError, match="not 'ngram'"):
+        SpeculativeConfig.from_options("ngram", draft_model="d.gguf")
+    with pytest.raises(ValueError, match="distinct"):
+        SpeculativeConfig("draft", draft_layers=(2, 1))
+
+
+class _FakeDraft:
+    """DraftRunner's interface: guesses token 40 + j, or fails."""
+
+    def __init__(self, fail=False):
+        self.fail, self.calls, self.released, self.step_seconds = fail, [], [], []
+
+    def guess(self, items, banned):
+        if self.fail:
+            raise RuntimeError("draft broke")
+        self.step_seconds = []
+        for item in items:
+            if item.kind is RowKind.VERIFY:
+                item.seq.draft_token_ids = [40 + j for j in range(item.num_new_tokens - 1)]
+                self.calls.append((item.seq.seq_id, banned(item.seq)))
+        self.step_seconds = [(1, 0.5)]
+
+    def release(self, seq):
+        self.released.append(seq.seq_id)
+
+
+def _draft_speculator(draft, num_tokens=4):
+    return Speculator(SpeculativeConfig("draft", num_tokens, draft_layers=(0,)), 10_000, lambda s, t: t == 0, draft,
+                      stop_ids=lambda seq: [0, 2])
+
+
+def test_a_draft_is_asked_for_as_many_guesses_as_are_worth_verifying_then_fills_them():
+    draft = _FakeDraft()
+    spec = _draft_speculator(draft)
+    seq = _quoting()
+    assert spec.propose([seq], lambda s: True) == [seq] and seq.draft_token_ids == [-1] * 4  # unmeasured: try all
+    item = ScheduledSeq.plan(seq, seq.num_computed_tokens, 4)  # the scheduler's budget left room for 3
+    scheduled = [item]
+    spec.fill(scheduled)
+    assert seq.draft_token_ids == [40, 41, 42] and draft.calls == [(seq.seq_id, [0, 2])]  # constrained: no stop ids
+    assert spec.draft_cost.estimate(1) == 0.5
+    spec.release(seq)
+    assert draft.released == [seq.seq_id]
+
+
+def test_a_draft_slower_than_its_acceptance_pays_for_is_not_run():
+    seq = _quoting()
+    for draft_seconds, expect in ((0.01, 4), (1.0, 0)):
+        spec = _draft_speculator(_FakeDraft())
+        for rows in range(1, 6):
+            spec.record_step(rows, 1.0)  # verify rows are free
+        spec.draft_cost.record(1, draft_seconds)  # a draft step: 1% of a step, or a whole step
+        spec.propose([seq], lambda s: False)
+        assert len(seq.draft_token_ids) == expect
+        spec.clear()
+
+
+def test_a_failing_draft_turns_its_verify_rows_into_plain_decode_rows():
+    spec = _draft_speculator(_FakeDraft(fail=True))
+    seq = _quoting()
+    spec.propose([seq], lambda s: False)
+    scheduled = [ScheduledSeq.plan(seq, seq.num_computed_tokens, 5)]
+    spec.fill(scheduled)
+    assert scheduled[0].kind is RowKind.DECODE and seq.draft_token_ids == []
+
+
 # ---- sampling a run, and when its tokens count -------------------------------------------
 
 
@@ -271,12 +350,80 @@ def engines(default_loaded):
     on = LLMEngine(EngineConfig(cache=cache, scheduler=scheduler, speculative=SpeculativeConfig("ngram", 4)),
                    loaded=off.loaded)
     assert on.speculator is not None, on.speculative_refusal
-    # Rows cost nothing here, whatever this machine measures: every proposal the acceptance rates allow is
-    # verified, so the tests see many VERIFY rows (the cost policy has its own tests above).
-    for rows in range(1, 257):
-        on.speculator.cost.record(rows, 1.0)
-    on.speculator.record_step = lambda rows, seconds: None
+    _flat_costs(on)
     return off, on
+
+
+def _flat_costs(engine) -> None:
+    """Rows and draft steps cost nothing here, whatever this machine measures: every proposal the
+    acceptance rates allow is verified, so the tests see many VERIFY rows (the cost policy has its own
+    tests above)."""
+    for rows in range(1, 257):
+        engine.speculator.cost.record(rows, 1.0)
+        engine.speculator.draft_cost.record(rows, 1e-9)
+    engine.speculator.record_step = lambda rows, seconds: None
+    engine.speculator.draft_cost.record = lambda rows, seconds: None
+
+
+DRAFT_LAYERS = "0-3,8-29"  # the default model without 4 of its 30 layers guesses right about 60% of the time
+
+
+def _gguf_copy(src: str, dst, layers: list[int] | None = None, swap_tokens: tuple[int, int] | None = None) -> None:
+    """A copy of a GGUF model file, with only these layers (renumbered) and with two tokens'
+    strings swapped (another tokenizer): a separate draft model with its own KV cache."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    layers = list(range(int(reader.fields[f"{arch}.block_count"].contents()))) if layers is None else layers
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = len(layers) if field.name == f"{arch}.block_count" else field.contents()
+        if field.name == "tokenizer.ggml.tokens" and swap_tokens:
+            a, b = swap_tokens
+            value[a], value[b] = value[b], value[a]
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    renumber = {old: new for new, old in enumerate(layers)}
+    for t in reader.tensors:
+        name = t.name
+        if name.startswith("blk."):
+            i = int(name.split(".")[1])
+            if i not in renumber:
+                continue
+            name = f"blk.{renumber[i]}." + name.split(".", 2)[2]
+        quantized = t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        writer.add_tensor(name, t.data, raw_dtype=t.tensor_type if quantized else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def drafting(engines, tmp_path_factory):
+    """Engines that verify a draft's guesses: 26 of the target's own layers (shared KV), and a copy of
+    the target in a file of its own (a separate draft model: its own KV cache in the same block
+    manager; being the target, its greedy guesses must nearly all be right, which they are only if
+    its cache is kept right)."""
+    from quill.models.loader import resolve_model_path
+
+    off, _ = engines
+    cache = CacheConfig(num_blocks_override=256)
+    scheduler = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16)
+    path = tmp_path_factory.mktemp("draft") / "draft-copy.gguf"
+    _gguf_copy(str(resolve_model_path(None)), path)
+    out = {}
+    for name, draft in (("draft-layers", {"draft_layers": DRAFT_LAYERS}), ("draft-model", {"draft_model": str(path)})):
+        engine = LLMEngine(EngineConfig(cache=cache, scheduler=scheduler,
+                                        speculative=SpeculativeConfig.from_options(None, 4, **draft)), loaded=off.loaded)
+        assert engine.speculator is not None, engine.speculative_refusal
+        _flat_costs(engine)
+        out[name] = engine
+    assert out["draft-model"].draft_kv_cache is not None
+    return out
 
 
 def test_a_verify_row_gives_the_logits_of_one_token_decode_steps_bit_for_bit(engines):
@@ -349,20 +496,29 @@ def _run(engine, batch: list[tuple[str, list[int], SamplingParams]]) -> dict:
     return done
 
 
+_WITHOUT: dict = {}  # (mode, batch size, batch's first id) -> the outputs without speculation, computed once
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-layers", "draft-model"])
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
-def test_outputs_with_speculation_are_identical_to_without(engines, mode):
+def test_outputs_with_speculation_are_identical_to_without(engines, drafting, mode, proposer):
     off, on = engines
+    on = on if proposer == "ngram" else drafting[proposer]
     sampling = {"temperature": 0.0} if mode == "greedy" else {"temperature": 0.8, "top_p": 0.9}
     prompts = _prompts(off.tokenizer)
     requests = [(f"p{i}", ids, SamplingParams(**sampling, **extra, **({"seed": 100 + i} if mode == "seeded" else {})))
                 for i, (ids, extra) in enumerate(prompts)]
     before = on.stats.as_dict()
     for batch_size in (1, 8):
-        batches = [requests[k : k + batch_size] for k in range(0, len(requests), batch_size)]
+        # a draft's batch-1 runs cover the first 16 prompts (every kind twice), to keep the suite's time
+        some = requests[:16] if batch_size == 1 and proposer != "ngram" else requests
+        batches = [some[k : k + batch_size] for k in range(0, len(some), batch_size)]
         for batch in batches:
-            a, b = _run(off, batch), _run(on, batch)
+            key = (mode, batch_size, batch[0][0])
+            a = _WITHOUT[key] if key in _WITHOUT else _WITHOUT.setdefault(key, _run(off, batch))
+            b = _run(on, batch)
             for rid in a:
-                assert a[rid] == b[rid], (rid, batch_size, mode)
+                assert a[rid] == b[rid], (rid, batch_size, mode, proposer)
                 assert all(c[5] is None for c in a[rid])
     after = on.stats.as_dict()
     verified = after["spec_verifications"] - before["spec_verifications"]
@@ -371,6 +527,11 @@ def test_outputs_with_speculation_are_identical_to_without(engines, mode):
     assert verified > 20 and 0 < accepted < proposed  # runs were verified, some accepted, some rejected
     for engine in (off, on):
         assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.running
+    assert on.speculator.draft_failures == 0
+    if proposer == "draft-model":
+        assert not on.speculator.draft._computed  # every finished sequence's draft state released
+        if mode == "greedy":  # the target's own guesses: wrong only before a stop it may not guess, or a tie
+            assert accepted >= 0.9 * proposed, (accepted, proposed)
 
 
 def test_a_failed_forward_keeps_the_other_requests_runs(engines, default_loaded):
@@ -421,3 +582,36 @@ def test_per_request_counters_and_token_times(engines):
     m = final.outputs[0].metrics
     assert m["spec_proposed_tokens"] >= m["spec_accepted_tokens"] > 0
     assert min(m["itl_ms"]) > 0  # a verified run's tokens are spread in time: ITL counts tokens, not steps
+
+
+def test_aborts_between_draft_verification_steps_leak_nothing(drafting):
+    engine = drafting["draft-model"]
+    ids = engine.tokenizer.encode(QUOTE + "\n\n" + QUOTE[:30])
+    for i in range(3):
+        engine.add_request(f"abort{i}", ids[: 40 + 10 * i], SamplingParams(temperature=0, max_tokens=64))
+    verified = 0
+    for _ in range(40):
+        engine.step()
+        verified += bool(engine.last_step.verified)
+        if verified >= 2:
+            break
+    assert verified >= 2 and engine.speculator.draft._computed
+    engine.abort("abort1")
+    assert engine.abort("abort0")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0 and not engine.speculator.draft._computed
+
+
+def test_a_draft_must_share_the_targets_tokenizer_and_fit_its_layers(engines, tmp_path):
+    from quill.models.loader import resolve_model_path
+
+    off, _ = engines
+    path = tmp_path / "other-tokenizer.gguf"
+    _gguf_copy(str(resolve_model_path(None)), path, layers=[0], swap_tokens=(1000, 1001))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        LLMEngine(EngineConfig(cache=CacheConfig(num_blocks_override=16),
+                               speculative=SpeculativeConfig.from_options(draft_model=str(path))), loaded=off.loaded)
+    with pytest.raises(ValueError, match="fewer than the target's 30 layers"):
+        LLMEngine(EngineConfig(cache=CacheConfig(num_blocks_override=16),
+                               speculative=SpeculativeConfig.from_options(draft_layers="0-30")), loaded=off.loaded)

@@ -50,6 +50,11 @@ def register(subparsers) -> None:
                    help="with --speculative: proposed tokens per step, at most (default %(default)s)")
     p.add_argument("--spec-tokens", type=int, default=256,
                    help="with --speculative: tokens generated per run (default 256)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="with --speculative: also measure a draft model's guesses (same tokenizer as --model)")
+    p.add_argument("--draft-layers", default=None, metavar="N|RANGES",
+                   help="with --speculative: also measure self-speculation with these layers of the model "
+                        "(see `quill serve --draft-layers`)")
     p.add_argument("--json", default=None, help="write all figures to this file")
     p.set_defaults(func=run)
 

@@ -6,8 +6,9 @@ Two workloads, one request at a time (batch 1):
   that quote, rewriting);
 - open: a chat request for a story, sampled (temperature 0.8, top-p 0.95, seeded), text that
   repeats little of its prompt. The same request greedy is reported too (open-greedy).
-The engines are interleaved, each figure is the median of --repeats runs, and every pair of runs
-is checked for identical tokens (the promise speculation makes).
+Each proposer is measured against speculation off: prompt lookup ("ngram"), and with --draft-model
+or --draft-layers a draft ("draft"). The engines are interleaved, each figure is the median of
+--repeats runs, and every pair of runs is checked for identical tokens (the promise speculation makes).
 """
 
 from __future__ import annotations
@@ -92,54 +93,76 @@ def _run_one(engine, ids: list[int], params) -> tuple[float, list[int], dict]:
     return c.metrics["generation_tps"], list(c.token_ids), spent
 
 
+def proposers(args: argparse.Namespace) -> dict:
+    """The speculative configurations measured against "off": prompt lookup, and a draft if one is given."""
+    from quill.config import SpeculativeConfig
+
+    out = {"ngram": SpeculativeConfig("ngram", args.num_speculative_tokens)}
+    if args.draft_model is not None or args.draft_layers is not None:
+        out["draft"] = SpeculativeConfig.from_options("draft", args.num_speculative_tokens, args.draft_model,
+                                                      args.draft_layers)
+    return out
+
+
 def run_speculative(args: argparse.Namespace) -> int:
     from quill.config import EngineConfig, SpeculativeConfig
     from quill.engine.engine import LLMEngine, freeze_heap
 
-    off = LLMEngine(EngineConfig(model=args.model, threads=args.threads, activations=args.activations,
-                                 speculative=SpeculativeConfig("off")))
-    on = LLMEngine(EngineConfig(model=args.model, threads=args.threads, activations=args.activations,
-                                speculative=SpeculativeConfig("ngram", args.num_speculative_tokens)), loaded=off.loaded)
-    if on.speculator is None:
-        print(f"quill bench latency: speculation is off for this model: {on.speculative_refusal}", file=sys.stderr)
-        return 1
+    def engine(spec, loaded=None):
+        return LLMEngine(EngineConfig(model=args.model, threads=args.threads, activations=args.activations,
+                                      speculative=spec), loaded=loaded)
+
+    try:
+        off = engine(SpeculativeConfig("off"))
+        ons = {name: engine(spec, off.loaded) for name, spec in proposers(args).items()}
+    except ValueError as e:
+        print(f"quill bench latency: {e}", file=sys.stderr)
+        return 2
+    for name, on in ons.items():
+        if on.speculator is None:
+            print(f"quill bench latency: speculation ({name}) is off for this model: {on.speculative_refusal}",
+                  file=sys.stderr)
+            return 1
     freeze_heap()
-    print(f"quill bench latency --speculative: {off.model_name}, {off.threads} threads, prompt lookup with up to "
-          f"{args.num_speculative_tokens} tokens, batch 1, {args.spec_tokens} tokens per run, median of {args.repeats}",
-          file=sys.stderr)
+    draft = ons["draft"].config.speculative if "draft" in ons else None
+    drafted = "" if draft is None else (f", draft {draft.draft_model}" if draft.draft_model else
+                                        f", draft layers {','.join(map(str, draft.draft_layers))}")
+    print(f"quill bench latency --speculative: {off.model_name}, {off.threads} threads, up to "
+          f"{args.num_speculative_tokens} proposed tokens{drafted}, batch 1, {args.spec_tokens} tokens per run, "
+          f"median of {args.repeats}", file=sys.stderr)
     rows = []
     for name, (ids, params) in workloads(off.tokenizer, args.spec_tokens).items():
-        tps = {"off": [], "ngram": []}
-        same, spent = True, {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
-        for _ in range(args.repeats):
-            rate_off, tokens_off, _ = _run_one(off, ids, params)
-            rate_on, tokens_on, used = _run_one(on, ids, params)
-            tps["off"].append(rate_off)
-            tps["ngram"].append(rate_on)
-            same &= tokens_off == tokens_on
-            spent = {k: spent[k] + used[k] for k in spent}
-        rows.append(speculative_row(name, len(ids), tps, spent, same))
+        for method, on in ons.items():
+            tps = {"off": [], "on": []}
+            same, spent = True, {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
+            for _ in range(args.repeats):
+                rate_off, tokens_off, _ = _run_one(off, ids, params)
+                rate_on, tokens_on, used = _run_one(on, ids, params)
+                tps["off"].append(rate_off)
+                tps["on"].append(rate_on)
+                same &= tokens_off == tokens_on
+                spent = {k: spent[k] + used[k] for k in spent}
+            rows.append(speculative_row(name, method, len(ids), tps, spent, same))
     for line in format_rows(rows):
         print(line)
-    print("draft-model speculation (--speculative draft): not implemented, nothing to report")
     return 0 if all(r["identical"] for r in rows) else 1
 
 
-def speculative_row(name: str, prompt_tokens: int, tps: dict, spent: dict, identical: bool) -> dict:
-    off, on = statistics.median(tps["off"]), statistics.median(tps["ngram"])
+def speculative_row(name: str, method: str, prompt_tokens: int, tps: dict, spent: dict, identical: bool) -> dict:
+    off, on = statistics.median(tps["off"]), statistics.median(tps["on"])
     proposed, accepted, verifs = (spent["spec_proposed_tokens"], spent["spec_accepted_tokens"],
                                   spent["spec_verifications"])
-    return {"workload": name, "prompt_tokens": prompt_tokens, "off_tps": off, "ngram_tps": on, "speedup": on / off,
-            "acceptance": accepted / proposed if proposed else 0.0,
+    return {"workload": name, "method": method, "prompt_tokens": prompt_tokens, "off_tps": off, "on_tps": on,
+            "speedup": on / off, "acceptance": accepted / proposed if proposed else 0.0,
             "mean_accepted_length": (accepted + verifs) / verifs if verifs else 0.0,
             "proposed": proposed, "identical": identical}
 
 
 def format_rows(rows: list[dict]) -> list[str]:
-    lines = [f"{'workload':<12} {'prompt':>6} {'off tok/s':>10} {'ngram tok/s':>12} {'speedup':>8} "
+    lines = [f"{'workload':<12} {'method':<6} {'prompt':>6} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
              f"{'accepted':>9} {'tok/verify':>10} {'identical':>9}"]
     for r in rows:
-        lines.append(f"{r['workload']:<12} {r['prompt_tokens']:>6} {r['off_tps']:>10.1f} {r['ngram_tps']:>12.1f} "
-                     f"{r['speedup']:>7.2f}x {r['acceptance']:>8.0%} {r['mean_accepted_length']:>10.2f} "
-                     f"{'yes' if r['identical'] else 'NO':>9}")
+        lines.append(f"{r['workload']:<12} {r['method']:<6} {r['prompt_tokens']:>6} {r['off_tps']:>10.1f} "
+                     f"{r['on_tps']:>9.1f} {r['speedup']:>7.2f}x {r['acceptance']:>8.0%} "
+                     f"{r['mean_accepted_length']:>10.2f} {'yes' if r['identical'] else 'NO':>9}")
     return lines

@@ -44,3 +44,12 @@ class BlockTableArrays:
 
     def release(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)
+
+
+def stack_tables(tables: list[np.ndarray]) -> np.ndarray:
+    """One row's table per decode row -> (rows, longest) int32, zero past each row's own blocks
+    (entries past a row's context are never read)."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, t in zip(out, tables):
+        row[: len(t)] = t
+    return out

@@ -81,8 +81,13 @@ class LLMEngine:
         cache = config.cache
         self.kv_cache_dtype = resolve_kv_dtype(cache.kv_cache_dtype, self.loaded.origin_format)
         dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        num_blocks = num_blocks_for(cache, self.model_config, dtype.itemsize)
+        self.draft_loaded = self._load_draft(config)  # a separate draft model, or None
+        draft_config = self.draft_loaded.config if self.draft_loaded is not None else None
+        num_blocks = num_blocks_for(cache, self.model_config, dtype.itemsize, draft=draft_config)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, dtype, device=config.device)
+        # the draft's own K/V, in blocks of the same ids (one block manager for both)
+        self.draft_kv_cache = (KVCache(draft_config, num_blocks, cache.block_size, dtype, device=config.device)
+                               if draft_config is not None else None)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)))
@@ -110,6 +115,25 @@ class LLMEngine:
             self.kv_cache_dtype, num_blocks * cache.block_size * self.kv_cache.bytes_per_token / 2**20,
         )
 
+    def _load_draft(self, config: EngineConfig) -> LoadedModel | None:
+        """--draft-model: load it and check it can guess for this target (its tokenizer maps every
+        token as the target's does, and its context covers the served one)."""
+        path = config.speculative.draft_model
+        if path is None:
+            return None
+        with use_kernel_options(self.kernel_options):
+            draft = load_model(path, device=config.device, context_len=self.max_model_len)
+        mine, theirs = self.tokenizer.hf.get_vocab(), draft.tokenizer.hf.get_vocab()
+        differ = next((tok for tok, i in mine.items() if theirs.get(tok) != i), None)
+        if differ is not None:
+            raise ValueError(f"draft model {draft.name} has another tokenizer: token {differ!r} is "
+                             f"{mine[differ]} in {self.loaded.name} and {theirs.get(differ)} in the draft "
+                             f"({len(mine):,} and {len(theirs):,} tokens); a draft must share the target's tokenizer")
+        if draft.model.context_len < self.max_model_len:
+            raise ValueError(f"draft model {draft.name} covers {draft.model.context_len:,} positions, fewer than the "
+                             f"{self.max_model_len:,} served (lower --max-model-len to {draft.model.context_len:,})")
+        return draft
+
     def _speculator(self, config: EngineConfig):
         """-> (Speculator or None, why speculation is off though asked for, or None)."""
         if not config.speculative.enabled:
@@ -120,7 +144,32 @@ class LLMEngine:
             return None, why
         from quill.engine.speculative import Speculator
 
-        return Speculator(config.speculative, self.max_model_len, self._is_stop_token), None
+        draft = None
+        if config.speculative.method == "draft":
+            draft, why = self._draft_runner(config)
+            if draft is None:
+                logger.warning("speculative decoding off: %s", why)
+                return None, why
+        stop_ids = lambda seq: [*(() if seq.params.ignore_eos else self.eos_token_ids), *seq.params.stop_token_ids]  # noqa: E731
+        return Speculator(config.speculative, self.max_model_len, self._is_stop_token, draft, stop_ids), None
+
+    def _draft_runner(self, config: EngineConfig):
+        """-> (DraftRunner, None), or (None, why the draft cannot run)."""
+        from quill.engine.draft import DraftRunner
+
+        vocab, tables, bs = self.runner.sampler.vocab_size, self.runner.block_tables, self.kv_cache.block_size
+        layers = config.speculative.draft_layers
+        if layers is not None:
+            total = self.model_config.num_layers
+            if layers[-1] >= total or len(layers) >= total:
+                raise ValueError(f"draft layers {list(layers)} must be fewer than the target's {total} layers, "
+                                 f"numbered 0 to {total - 1}")
+            return DraftRunner(self.loaded.model, self.runner.fused, tables, bs, vocab, layers=layers), None
+        with use_kernel_options(self.kernel_options):
+            own = ModelRunner(self.draft_loaded.model, self.draft_loaded.config, self.draft_kv_cache, None, config.device)
+        if own.fused is None:
+            return None, f"the draft model {self.draft_loaded.name} has no fused decode path ({own.fused_refusal})"
+        return DraftRunner(self.draft_loaded.model, own.fused, tables, bs, vocab, prefill=own), None
 
     @property
     def model_name(self) -> str:
@@ -245,8 +294,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.faults:
             self._check_rows(sched, touched)
-        num_prefill, num_decode = sched.num_prefill_tokens, sched.num_decode_tokens  # before tokens are appended
         with use_kernel_options(self.kernel_options):  # shared modules' kernel calls (prefill, LM head)
+            if self.speculator is not None:
+                self.speculator.fill(sched.scheduled)  # a draft model's guesses for the VERIFY rows
+            num_prefill, num_decode = sched.num_prefill_tokens, sched.num_decode_tokens  # before tokens are appended
             result = self._execute(sched, touched)
         self.scheduler.postprocess(sched)
         when = now()

@@ -27,14 +27,19 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def num_blocks_for(cache: CacheConfig, model: ModelConfig, bytes_per_element: int = 4) -> int:
-    """Pool size from the budget (--kv-cache-memory), or min(25% of free RAM, 2 GiB) by default."""
+def num_blocks_for(cache: CacheConfig, model: ModelConfig, bytes_per_element: int = 4,
+                   draft: ModelConfig | None = None) -> int:
+    """Pool size from the budget (--kv-cache-memory), or min(25% of free RAM, 2 GiB) by default.
+    With a draft model that has its own cache, a block is both models' K/V for its tokens."""
     if cache.num_blocks_override is not None:
         return cache.num_blocks_override
     budget = cache.kv_cache_memory
     if budget is None:
         budget = min(int(available_memory_bytes() * DEFAULT_FRACTION_OF_FREE_RAM), DEFAULT_MAX_KV_BYTES)
-    block_bytes = model.kv_bytes_per_token(bytes_per_element) * cache.block_size
+    per_token = model.kv_bytes_per_token(bytes_per_element)
+    if draft is not None:
+        per_token += draft.kv_bytes_per_token(bytes_per_element)
+    block_bytes = per_token * cache.block_size
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(

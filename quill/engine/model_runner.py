@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from quill.config import ModelConfig
-from quill.engine.block_tables import BlockTableArrays
+from quill.engine.block_tables import BlockTableArrays, stack_tables
 from quill.engine.kv_cache import KVCache
 from quill.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from quill.engine.faults import FaultPlan
@@ -43,7 +43,7 @@ class ModelRunner:
         # the distinct sliding windows of the model's layers: the torch path gets a mask for each
         self.windows = sorted({w for i in range(model_config.num_layers) if (w := model_config.layer_window(i))})
         self._generators: dict[int, torch.Generator] = {}
-        self._block_tables = BlockTableArrays()  # decode rows' tables, kept between steps (fused path)
+        self.block_tables = BlockTableArrays()  # decode rows' tables, kept between steps (fused path, a draft's)
         self.guided = None  # quill.engine.guided.MaskWorker, set by the engine when constraints are used
         self.last_logits: torch.Tensor | None = None  # (B, V) kept only when keep_logits is set (trace)
         self.keep_logits = False
@@ -126,7 +126,7 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
-        self._block_tables.release(seq.seq_id)
+        self.block_tables.release(seq.seq_id)
 
     def _fused_inputs(self, items: list[ScheduledSeq]):
         """Decode-path items -> FusedDecoder.forward's arguments: ids, positions, block tables
@@ -139,19 +139,16 @@ class ModelRunner:
         tables, ids, positions = [], [], []
         for item in items:
             n, seq = item.num_new_tokens, item.seq
-            tables += [self._block_tables.get(seq)] * n
+            tables += [self.block_tables.get(seq)] * n
             ids.append(seq.last_token_id)  # a decode row's one token is its sequence's last
             ids += seq.draft_token_ids[: n - 1]
             positions += range(item.start, item.start + n)
-        block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for row, t in zip(block_tables, tables):
-            row[: len(t)] = t
-        return (torch.tensor(ids), torch.tensor(positions, dtype=torch.long), torch.from_numpy(block_tables),
+        return (torch.tensor(ids), torch.tensor(positions, dtype=torch.long), torch.from_numpy(stack_tables(tables)),
                 torch.tensor([p + 1 for p in positions], dtype=torch.long), self.block_size, max(positions) + 1)
 
     def forget_block_table(self, seq: Sequence) -> None:
         """seq's block table shrank (rejected proposals' blocks freed): rebuild its array next step."""
-        self._block_tables.release(seq.seq_id)
+        self.block_tables.release(seq.seq_id)
 
     def forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """-> hidden (T, H) for every scheduled row, and the rows whose logits pick a token

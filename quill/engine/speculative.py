@@ -11,25 +11,34 @@ standard rejection rule (accept with probability p(guess); otherwise draw from p
 
 What is decided here, per step, with no tensors:
 - what to propose: prompt lookup (NgramIndex), the tokens that followed the latest earlier occurrence
-  of the sequence's last n tokens (n from ngram_max down to ngram_min), in its prompt and output;
+  of the sequence's last n tokens (n from ngram_max down to ngram_min), in its prompt and output; or,
+  with a draft model, how many tokens it is to guess (draft.DraftRunner fills them in once the
+  scheduler has given the VERIFY rows their blocks: fill());
 - how many to verify: each guess j of a sequence is accepted with probability about alpha^j, alpha that
   sequence's recent per-guess acceptance; a step of r decode rows costs t(r), measured by StepCostModel
   on this machine and model. The step takes the guesses, most likely first, that maximise expected
-  tokens per second, (B + sum of alpha^j) / t(B + guesses), over B plain decode rows. So a sequence
-  whose guesses keep failing stops being verified (its alpha falls below what a row costs), and a batch
-  large enough that extra rows cost nearly a full step (compute-bound decode) verifies nothing.
+  tokens per second, (B + sum of alpha^j) / (t(B + guesses) + k d(S)), over B plain decode rows,
+  where a draft model guesses in k sequential steps of S rows each costing d(S), measured likewise
+  (0 for prompt lookup). So a sequence whose guesses keep failing stops being verified (its alpha
+  falls below what a row costs), a batch large enough that extra rows cost nearly a full step
+  (compute-bound decode) verifies nothing, and a draft too slow for its acceptance is not run.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from quill.config import SpeculativeConfig
+from quill.engine.scheduler import RowKind, ScheduledSeq
 from quill.engine.sequence import Sequence
+
+logger = logging.getLogger("quill.engine")
 
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 2.0  # a new sequence's guesses: accepted 60% of the time, worth 2 trials
 DECAY_PER_VERIFY = 0.8  # evidence fades, so a sequence that starts quoting is noticed within a few steps
@@ -134,7 +143,7 @@ class StepCostModel:
 
 @dataclass
 class _SeqState:
-    index: NgramIndex
+    index: NgramIndex | None  # prompt lookup's; None with a draft model
     accepted: float = 0.0  # decayed evidence: guesses accepted
     trials: float = 0.0  # and guesses that had their chance (accepted ones plus the first rejected one)
     last_output: int = 0  # output tokens at the last update
@@ -147,21 +156,50 @@ class _SeqState:
 class Speculator:
     """Owned by the engine when speculation is on; reads Sequences, writes their draft_token_ids."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, is_stop: Callable[[Sequence, int], bool]):
-        if config.method != "ngram":
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, is_stop: Callable[[Sequence, int], bool],
+                 draft=None, stop_ids: Callable[[Sequence], list[int]] | None = None):
+        """draft: a draft.DraftRunner (method "draft"); stop_ids(seq): the ids that stop seq."""
+        if config.method not in ("ngram", "draft") or (config.method == "draft") != (draft is not None):
             raise ValueError(f"no proposer for speculative method {config.method!r}")
         self.config = config
         self.max_model_len = max_model_len
         self._is_stop = is_stop  # the engine's rule: does this token stop this sequence
-        self.cost = StepCostModel()
+        self.draft = draft
+        self._stop_ids = stop_ids
+        self.cost = StepCostModel()  # whole steps of plain and VERIFY rows, without the draft's time
+        self.draft_cost = StepCostModel()  # one draft step, by its rows
+        self._draft_seconds = 0.0  # this step's
         self._states: dict[int, _SeqState] = {}
         self._drafted: list[Sequence] = []
+        self._constrained: dict[int, bool] = {}  # this step's drafted sequences: constrained?
+        self.draft_failures = 0
 
     def _state(self, seq: Sequence) -> _SeqState:
         st = self._states.get(seq.seq_id)
         if st is None:
-            st = self._states[seq.seq_id] = _SeqState(NgramIndex(self.config.ngram_min, self.config.ngram_max))
+            index = NgramIndex(self.config.ngram_min, self.config.ngram_max) if self.draft is None else None
+            st = self._states[seq.seq_id] = _SeqState(index)
         return st
+
+    def _guesses(self, seq: Sequence, st: _SeqState, room: int, constrained: bool) -> list[int]:
+        """Prompt lookup's guesses, or a draft's placeholders (room of them: fill() sets the tokens)."""
+        if room <= 0:
+            return []
+        if self.draft is not None:
+            return [-1] * room
+        st.index.update(seq)
+        guesses = st.index.propose(room)
+        if guesses and constrained:
+            # a grammar's matcher is never fed a stop token, so a constrained run ends before one
+            guesses = guesses[: next((j for j, t in enumerate(guesses) if self._is_stop(seq, t)), len(guesses))]
+        return guesses
+
+    def _draft_time(self, steps: int, rows: int) -> float | None:
+        """Seconds for a draft to guess `steps` tokens for `rows` sequences (0 without a draft)."""
+        if self.draft is None or not steps:
+            return 0.0
+        one = self.draft_cost.estimate(rows)
+        return None if one is None else steps * one
 
     def _room(self, seq: Sequence) -> int:
         """Guesses that could all be kept: one output token is always the row's own pick."""
@@ -178,17 +216,12 @@ class Speculator:
         proposals: dict[int, list[int]] = {}
         for seq in ready:
             st = self._state(seq)
-            st.index.update(seq)
             idle = seq.num_output_tokens - st.last_output
             if idle > 0:
                 factor = DECAY_PER_TOKEN ** idle
                 st.accepted, st.trials, st.last_output = st.accepted * factor, st.trials * factor, seq.num_output_tokens
-            room = self._room(seq)
-            guesses = st.index.propose(room) if room > 0 else []
-            if guesses and constrained(seq):
-                # a grammar's matcher is never fed a stop token, so a constrained run ends before one
-                guesses = guesses[: next((j for j, t in enumerate(guesses) if self._is_stop(seq, t)), len(guesses))]
-            proposals[seq.seq_id] = guesses
+            is_constrained = self._constrained[seq.seq_id] = constrained(seq)
+            guesses = proposals[seq.seq_id] = self._guesses(seq, st, self._room(seq), is_constrained)
             alpha = st.alpha
             for j in range(len(guesses)):
                 candidates.append((alpha ** (j + 1), len(candidates), seq))
@@ -198,13 +231,15 @@ class Speculator:
         base = len(ready)
         t_base = self.cost.estimate(base)
         best, best_rate, gain = 0, None, 0.0
-        for count, (g, _, _) in enumerate(candidates, start=1):
+        counts: dict[int, int] = {}  # guesses taken so far per sequence: a draft runs max(counts) steps
+        for count, (g, _, seq) in enumerate(candidates, start=1):
             gain += g
-            t = self.cost.estimate(base + count)
-            if t is None or t_base is None:
+            counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
+            t, d = self.cost.estimate(base + count), self._draft_time(max(counts.values()), len(counts))
+            if t is None or t_base is None or d is None:
                 best = count  # nothing measured yet: try, and measure
                 continue
-            rate = (base + gain) / t
+            rate = (base + gain) / (t + d)
             if rate > (best_rate if best_rate is not None else base / t_base):
                 best, best_rate = count, rate
         take: dict[int, int] = {}
@@ -216,6 +251,36 @@ class Speculator:
                 seq.draft_token_ids = proposals[seq.seq_id][:n]
                 self._drafted.append(seq)
         return list(self._drafted)
+
+    def fill(self, scheduled: list[ScheduledSeq]) -> None:
+        """After scheduling, with a draft model: guess the tokens of the VERIFY rows (in place). If the
+        draft fails, the step verifies nothing: its VERIFY rows become plain decode rows (their extra
+        blocks stay with the sequence for its next tokens), and the failure is logged."""
+        self._draft_seconds = 0.0
+        if self.draft is None or not any(item.kind is RowKind.VERIFY for item in scheduled):
+            return
+        t0 = time.perf_counter()
+        try:
+            self.draft.guess(scheduled, self._banned)
+        except Exception:  # noqa: BLE001 - guesses are optional; no request fails for them
+            self.draft_failures += 1
+            if self.draft_failures == 1 or self.draft_failures % 1000 == 0:
+                logger.warning("draft model failed (%d times so far); those steps verify no guesses",
+                               self.draft_failures, exc_info=self.draft_failures == 1)
+            for k, item in enumerate(scheduled):
+                if item.kind is RowKind.VERIFY:
+                    item.seq.draft_token_ids = []
+                    scheduled[k] = ScheduledSeq.plan(item.seq, item.start, 1)
+            return
+        finally:
+            self._draft_seconds = time.perf_counter() - t0
+        for rows, seconds in self.draft.step_seconds:
+            self.draft_cost.record(rows, seconds)
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """Ids a draft must not guess for seq: a constrained sequence's stop tokens (its grammar's
+        matcher is never fed one)."""
+        return self._stop_ids(seq) if self._constrained.get(seq.seq_id) and self._stop_ids is not None else []
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """After seq's VERIFY row: `accepted` of its `proposed` guesses were kept."""
@@ -229,14 +294,17 @@ class Speculator:
         seq.metrics.spec_accepted += accepted
 
     def record_step(self, rows: int, seconds: float) -> None:
-        """A step of `rows` decode rows and nothing else took `seconds`."""
-        self.cost.record(rows, seconds)
+        """A step of `rows` decode rows and nothing else took `seconds`, its draft's guessing included."""
+        self.cost.record(rows, seconds - self._draft_seconds)
 
     def clear(self) -> None:
         for seq in self._drafted:
             seq.draft_token_ids = []
         self._drafted = []
+        self._constrained = {}
 
     def release(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
+        if self.draft is not None:
+            self.draft.release(seq)
 

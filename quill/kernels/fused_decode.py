@@ -197,10 +197,12 @@ class FusedDecoder:
                    -(-self.lib.quill_act8_bytes(batch, widest) // 4))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                ctx_lens: torch.Tensor, block_size: int, max_ctx: int | None = None) -> torch.Tensor:
+                ctx_lens: torch.Tensor, block_size: int, max_ctx: int | None = None,
+                layers: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
         """input_ids, positions, ctx_lens (B,) int64; block_tables (B, max_blocks) int32, row b = row b's
         physical blocks (entries past its context unread); max_ctx: max(ctx_lens) if known -> hidden (B, H).
-        The new token at positions[b] is written to its slot; positions 0 .. ctx_lens[b]-1 are attended."""
+        The new token at positions[b] is written to its slot; positions 0 .. ctx_lens[b]-1 are attended.
+        layers: run only these layers, in order, then the final norm (a self-speculation draft), else all."""
         cfg = self.cfg
         B, max_blocks = block_tables.shape
         if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
@@ -225,6 +227,6 @@ class FusedDecoder:
         )
         shape_ref, step_ref = ctypes.byref(self.shape), ctypes.byref(step)
         fn, xp = self.lib.quill_decode_layer, x.data_ptr()
-        for layer in self.layers:
+        for layer in self.layers if layers is None else [self.layers[i] for i in layers]:
             fn(shape_ref, ctypes.byref(layer), step_ref, xp)
         return self.model.norm(x)
