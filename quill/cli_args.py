@@ -103,6 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None, metavar="PATH",
                    help="a smaller model with the same tokenizer (GGUF, folder or .quill) whose greedy guesses "
                         "are verified; its K/V takes part of --kv-cache-memory")
+    g.add_argument("--draft-quantize", choices=["int8"], default=None,
+                   help="int8: quantize the draft model's fp16/bf16/fp32 weights at load, so a folder model "
+                        "can draft for itself (--draft-model SAME_FOLDER)")
     g.add_argument("--draft-layers", default=None, metavar="N|RANGES",
                    help="self-speculation: guess with the model's own first N layers, or those listed "
                         "(\"0-5,26-29\"), then its LM head; no extra memory")
@@ -137,7 +140,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     exits naming the limit)."""
     try:
         return SpeculativeConfig.from_options(args.speculative, args.num_speculative_tokens, args.draft_model,
-                                              args.draft_layers)
+                                              args.draft_layers, args.draft_quantize)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 

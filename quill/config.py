@@ -304,6 +304,7 @@ class SpeculativeConfig:
     ngram_min: int = 2  # the shortest
     draft_model: str | None = None  # "draft": a model path (GGUF, folder, .quill) with the target's tokenizer
     draft_layers: tuple[int, ...] | None = None  # "draft": these layers of the target (sorted, distinct)
+    draft_quantize: str | None = None  # "int8": quantize the draft model's fp16/bf16/fp32 weights at load
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -318,6 +319,9 @@ class SpeculativeConfig:
                              f"draft layers of the target (--draft-layers N); got {len(drafts)}")
         if self.method != "draft" and drafts:
             raise ValueError(f"{drafts[0]} is for speculative method 'draft', not {self.method!r}")
+        if self.draft_quantize is not None and (self.draft_model is None or self.draft_quantize != "int8"):
+            raise ValueError(f"draft quantize must be 'int8' and needs a draft model; got {self.draft_quantize!r}"
+                             + ("" if self.draft_model else " without one"))
         if self.draft_layers is not None and (not self.draft_layers or list(self.draft_layers) != sorted(set(self.draft_layers))
                                               or self.draft_layers[0] < 0):
             raise ValueError(f"draft layers must be distinct non-negative layer numbers in order; got {self.draft_layers}")
@@ -328,7 +332,8 @@ class SpeculativeConfig:
 
     @classmethod
     def from_options(cls, method: str | None = None, num_tokens: int | None = None, draft_model: str | None = None,
-                     draft_layers: str | int | tuple[int, ...] | None = None) -> "SpeculativeConfig":
+                     draft_layers: str | int | tuple[int, ...] | None = None,
+                     draft_quantize: str | None = None) -> "SpeculativeConfig":
         """The flags' and LLM's form: method None is "draft" when a draft is named, else the default;
         draft_layers as --draft-layers text, a count, or layer numbers."""
         if isinstance(draft_layers, (str, int)) and not isinstance(draft_layers, bool):
@@ -338,7 +343,7 @@ class SpeculativeConfig:
         if method is None:
             method = "draft" if draft_model is not None or draft_layers is not None else cls.method
         return cls(method, cls.num_tokens if num_tokens is None else num_tokens,
-                   draft_model=draft_model, draft_layers=draft_layers)
+                   draft_model=draft_model, draft_layers=draft_layers, draft_quantize=draft_quantize)
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,11 @@ class LLM:
         num_speculative_tokens: int = SpeculativeConfig.num_tokens,
         draft_model: str | None = None,
         draft_layers: str | int | tuple[int, ...] | None = None,
+        draft_quantize: str | None = None,
     ):
         """speculative: "ngram" (the default), "draft" (the default when draft_model or draft_layers is
-        given) or "off"; outputs are the same either way, only speed changes."""
+        given) or "off"; outputs are the same either way, only speed changes. draft_quantize "int8":
+        quantize the draft model's fp16/bf16/fp32 weights at load (an int8 copy of a folder model)."""
         config = EngineConfig(
             model=model,
             device=device,
@@ -57,7 +59,8 @@ class LLM:
             max_model_len=max_model_len,
             cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, num_kv_blocks, kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
-            speculative=SpeculativeConfig.from_options(speculative, num_speculative_tokens, draft_model, draft_layers),
+            speculative=SpeculativeConfig.from_options(speculative, num_speculative_tokens, draft_model, draft_layers,
+                                                       draft_quantize),
         )
         self._init_engine(config)
 

@@ -124,4 +124,4 @@ def test_fused_inputs_are_block_tables_not_slots():
     assert tables.dtype == torch.int32 and tables[0].tolist() == [9, 2, 30] and tables[1, 0].item() == 17
     assert block_size == 4 and max_ctx == 9
     runner.release(a)
-    assert len(runner._block_tables) == 1
+    assert len(runner.block_tables) == 1

@@ -122,7 +122,8 @@ class LLMEngine:
         if path is None:
             return None
         with use_kernel_options(self.kernel_options):
-            draft = load_model(path, device=config.device, context_len=self.max_model_len)
+            draft = load_model(path, device=config.device, quantize=config.speculative.draft_quantize,
+                               context_len=self.max_model_len)
         mine, theirs = self.tokenizer.hf.get_vocab(), draft.tokenizer.hf.get_vocab()
         differ = next((tok for tok, i in mine.items() if theirs.get(tok) != i), None)
         if differ is not None:
