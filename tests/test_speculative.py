@@ -182,7 +182,7 @@ def test_step_cost_model_takes_medians_and_interpolates():
 
 
 def _speculator(num_tokens=4):
-    return Speculator(SpeculativeConfig("ngram", num_tokens), 10_000, lambda seq, token: token == 0)
+    return Speculator(SpeculativeConfig("ngram", num_tokens), 10_000, lambda seq: (0,))
 
 
 def _quoting(seq_id=0, max_tokens=100):
@@ -223,7 +223,7 @@ def test_speculator_leaves_room_for_max_tokens_and_cuts_constrained_runs_at_stop
     spec = _speculator()
     seq = _quoting(max_tokens=3)  # 1 output so far: 2 more at most, one of them the row's own pick
     assert spec.propose([seq], lambda s: False) == [seq] and seq.draft_token_ids == [8]
-    spec = Speculator(SpeculativeConfig("ngram", 4), 10_000, lambda s, token: token == 10)
+    spec = Speculator(SpeculativeConfig("ngram", 4), 10_000, lambda s: (10,))
     seq = _quoting()
     spec.propose([seq], lambda s: True)
     assert seq.draft_token_ids == [8, 9]  # 10 is a stop token: a grammar never sees it
@@ -269,8 +269,7 @@ class _FakeDraft:
 
 
 def _draft_speculator(draft, num_tokens=4):
-    return Speculator(SpeculativeConfig("draft", num_tokens, draft_layers=(0,)), 10_000, lambda s, t: t == 0, draft,
-                      stop_ids=lambda seq: [0, 2])
+    return Speculator(SpeculativeConfig("draft", num_tokens, draft_layers=(0,)), 10_000, lambda seq: (0, 2), draft)
 
 
 def test_a_draft_is_asked_for_as_many_guesses_as_are_worth_verifying_then_fills_them():
@@ -281,7 +280,7 @@ def test_a_draft_is_asked_for_as_many_guesses_as_are_worth_verifying_then_fills_
     item = ScheduledSeq.plan(seq, seq.num_computed_tokens, 4)  # the scheduler's budget left room for 3
     scheduled = [item]
     spec.fill(scheduled)
-    assert seq.draft_token_ids == [40, 41, 42] and draft.calls == [(seq.seq_id, [0, 2])]  # constrained: no stop ids
+    assert seq.draft_token_ids == [40, 41, 42] and draft.calls == [(seq.seq_id, (0, 2))]  # constrained: no stop ids
     assert spec.draft_cost.estimate(1) == 0.5
     spec.release(seq)
     assert draft.released == [seq.seq_id]

@@ -67,7 +67,7 @@ class DraftRunner:
         return min(count, seq.num_computed_tokens) if table is seq.block_table else 0
 
     @torch.inference_mode()
-    def guess(self, items: list[ScheduledSeq], banned: Callable[[Sequence], list[int]]) -> None:
+    def guess(self, items: list[ScheduledSeq], banned: Callable[[Sequence], tuple[int, ...]]) -> None:
         """Set seq.draft_token_ids of each VERIFY item to its num_new_tokens - 1 guesses.
         banned(seq): token ids seq must not be offered (a constrained sequence's stop tokens)."""
         self.step_seconds = []

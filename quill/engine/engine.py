@@ -151,8 +151,7 @@ class LLMEngine:
             if draft is None:
                 logger.warning("speculative decoding off: %s", why)
                 return None, why
-        stop_ids = lambda seq: [*(() if seq.params.ignore_eos else self.eos_token_ids), *seq.params.stop_token_ids]  # noqa: E731
-        return Speculator(config.speculative, self.max_model_len, self._is_stop_token, draft, stop_ids), None
+        return Speculator(config.speculative, self.max_model_len, self._stop_token_ids, draft), None
 
     def _draft_runner(self, config: EngineConfig):
         """-> (DraftRunner, None), or (None, why the draft cannot run)."""
@@ -477,8 +476,12 @@ class LLMEngine:
         self.faults.disarm(seq.request_id)
         touched[seq.request_id] = state
 
+    def _stop_token_ids(self, seq: Sequence) -> tuple[int, ...]:
+        """The one rule for which token ids stop seq: EOS (unless ignore_eos) and its stop_token_ids."""
+        return (*(() if seq.params.ignore_eos else self.eos_token_ids), *seq.params.stop_token_ids)
+
     def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
-        return (token_id in self.eos_token_ids and not seq.params.ignore_eos) or token_id in seq.params.stop_token_ids
+        return token_id in self._stop_token_ids(seq)
 
     def _finish(self, seq: Sequence, status: SequenceStatus, result) -> None:
         self.scheduler.finish(seq, status)

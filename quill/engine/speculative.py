@@ -156,16 +156,16 @@ class _SeqState:
 class Speculator:
     """Owned by the engine when speculation is on; reads Sequences, writes their draft_token_ids."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, is_stop: Callable[[Sequence, int], bool],
-                 draft=None, stop_ids: Callable[[Sequence], list[int]] | None = None):
-        """draft: a draft.DraftRunner (method "draft"); stop_ids(seq): the ids that stop seq."""
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, stop_ids: Callable[[Sequence], tuple[int, ...]],
+                 draft=None):
+        """stop_ids(seq): the engine's rule for the token ids that stop seq; draft: a draft.DraftRunner
+        (method "draft")."""
         if config.method not in ("ngram", "draft") or (config.method == "draft") != (draft is not None):
             raise ValueError(f"no proposer for speculative method {config.method!r}")
         self.config = config
         self.max_model_len = max_model_len
-        self._is_stop = is_stop  # the engine's rule: does this token stop this sequence
-        self.draft = draft
         self._stop_ids = stop_ids
+        self.draft = draft
         self.cost = StepCostModel()  # whole steps of plain and VERIFY rows, without the draft's time
         self.draft_cost = StepCostModel()  # one draft step, by its rows
         self._draft_seconds = 0.0  # this step's
@@ -191,7 +191,8 @@ class Speculator:
         guesses = st.index.propose(room)
         if guesses and constrained:
             # a grammar's matcher is never fed a stop token, so a constrained run ends before one
-            guesses = guesses[: next((j for j, t in enumerate(guesses) if self._is_stop(seq, t)), len(guesses))]
+            stops = self._stop_ids(seq)
+            guesses = guesses[: next((j for j, t in enumerate(guesses) if t in stops), len(guesses))]
         return guesses
 
     def _draft_time(self, steps: int, rows: int) -> float | None:
@@ -277,10 +278,10 @@ class Speculator:
         for rows, seconds in self.draft.step_seconds:
             self.draft_cost.record(rows, seconds)
 
-    def _banned(self, seq: Sequence) -> list[int]:
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
         """Ids a draft must not guess for seq: a constrained sequence's stop tokens (its grammar's
         matcher is never fed one)."""
-        return self._stop_ids(seq) if self._constrained.get(seq.seq_id) and self._stop_ids is not None else []
+        return self._stop_ids(seq) if self._constrained.get(seq.seq_id) else ()
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """After seq's VERIFY row: `accepted` of its `proposed` guesses were kept."""
