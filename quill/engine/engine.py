@@ -114,6 +114,10 @@ class LLMEngine:
             num_blocks, cache.block_size, self.kv_cache.capacity_tokens, self.kv_cache.bytes_per_token / 1024,
             self.kv_cache_dtype, num_blocks * cache.block_size * self.kv_cache.bytes_per_token / 2**20,
         )
+        if self.draft_kv_cache is not None:
+            draft_bytes = self.draft_kv_cache.bytes_per_token
+            logger.info("draft model %s: its own K/V in the same blocks, %.1f KiB per token, %.1f MiB",
+                        self.draft_loaded.name, draft_bytes / 1024, num_blocks * cache.block_size * draft_bytes / 2**20)
 
     def _load_draft(self, config: EngineConfig) -> LoadedModel | None:
         """--draft-model: load it and check it can guess for this target (its tokenizer maps every
