@@ -109,12 +109,12 @@ def load_footprint(model: str | None, config_path: str | None) -> ModelFootprint
 
 
 def report_lines(fp: ModelFootprint, budget: int, budget_source: str, kv_dtype: str,
-                 kv_dtype_note: str, contexts: list[int]) -> list[str]:
-    """The printed report: weights, KV per token, tokens in budget and users per context."""
+                 kv_dtype_note: str, contexts: list[int], draft: ModelFootprint | None = None) -> list[str]:
+    """The printed report: weights, KV per token, tokens in budget and users per context. A draft
+    model (--draft-model) adds its weights, and its K/V to every token (the engine keeps both
+    models' K/V in each block)."""
     cfg = fp.config
     kv_per_token = cfg.kv_bytes_per_token(KV_DTYPE_BYTES[kv_dtype])
-    kv_budget = budget - fp.weight_bytes
-    capacity = max(kv_budget, 0) // kv_per_token
     lines = [
         f"model       {fp.name} ({cfg.architecture}): {cfg.num_layers} layers, {cfg.num_heads} heads, "
         f"{cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}, context {cfg.max_position_embeddings:,}",
@@ -122,6 +122,17 @@ def report_lines(fp: ModelFootprint, budget: int, budget_source: str, kv_dtype: 
         f"KV cache    {fmt_bytes(kv_per_token)} per token ({kv_per_token:,} bytes = 2 x {cfg.num_layers} layers x "
         f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim x {KV_DTYPE_BYTES[kv_dtype]} bytes, {kv_dtype_note})",
     ]
+    weight_bytes = fp.weight_bytes
+    if draft is not None:
+        d = draft.config
+        draft_kv = d.kv_bytes_per_token(KV_DTYPE_BYTES[kv_dtype])
+        weight_bytes += draft.weight_bytes
+        kv_per_token += draft_kv
+        lines.append(f"draft       {draft.name}: weights {fmt_bytes(draft.weight_bytes)} ({draft.weight_source}), K/V "
+                     f"{fmt_bytes(draft_kv)} per token ({d.num_layers} layers x {d.num_kv_heads} KV heads x "
+                     f"{d.head_dim} head_dim); below, both models' weights and K/V together")
+    kv_budget = budget - weight_bytes
+    capacity = max(kv_budget, 0) // kv_per_token
     if cfg.sliding_window:
         lines.append(f"windows     {cfg.window_layers} of {cfg.num_layers} layers attend only the last "
                      f"{cfg.sliding_window:,} positions; the paged cache still keeps their whole context "
@@ -158,6 +169,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES),
                         help="KV cache element type (default: what the engine's --kv-cache-dtype auto picks, "
                              "fp16 for a GGUF file and fp32 otherwise)")
+    parser.add_argument("--draft-model", default=None, metavar="PATH",
+                        help="a draft model for speculative decoding (quill serve --draft-model): its weights, and "
+                             "its K/V for every token, are counted too")
     parser.add_argument("--contexts", default=DEFAULT_CONTEXTS,
                         help="context lengths for the users table, k = 1024 tokens (default %(default)s)")
     parser.set_defaults(func=run)
@@ -170,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         budget = parse_size(args.budget) if args.budget else total_ram()
         contexts = parse_contexts(args.contexts)
         footprint = load_footprint(args.model, args.config)
+        draft = load_footprint(args.draft_model, None) if args.draft_model else None
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -178,6 +193,6 @@ def run(args: argparse.Namespace) -> int:
     kv_note = kv_dtype if args.kv_dtype else f"{kv_dtype}: the engine's default for this model, --kv-dtype to change"
     if kv_dtype == "int8":
         kv_note += "; per-block scales not counted"
-    for line in report_lines(footprint, budget, budget_source, kv_dtype, kv_note, contexts):
+    for line in report_lines(footprint, budget, budget_source, kv_dtype, kv_note, contexts, draft):
         print(line)
     return 0

@@ -80,6 +80,19 @@ def test_default_model_fp16_and_fp32(capsys):
     assert "45 KiB per token" in capsys.readouterr().out
 
 
+def test_a_draft_model_adds_its_weights_and_its_kv_per_token(capsys):
+    from quill.models.default import default_model_path
+
+    path = str(default_model_path())
+    size = default_model_path().stat().st_size
+    assert run_memory("--budget", "1GiB", "--draft-model", path) == 0
+    out = capsys.readouterr().out
+    assert "draft       " in out and "K/V 22.5 KiB per token (30 layers" in out
+    capacity = (2**30 - 2 * size) // (2 * 23040)  # the default model drafting for itself: everything twice
+    assert f"capacity    {capacity:,} tokens" in out
+    assert table_row(out, 8192)[1] == capacity // 8192
+
+
 def test_bad_inputs_name_the_value(tmp_path, llama3_config, capsys):
     assert run_memory("--config", str(llama3_config), "--budget", "8GX") == 2
     assert "'8GX'" in capsys.readouterr().err
