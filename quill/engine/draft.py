@@ -51,7 +51,7 @@ class DraftRunner:
         self.prefill = prefill
         # own KV only: seq_id -> (the block table list it was computed into, positions with draft K/V)
         self._computed: dict[int, tuple[list[int], int]] = {}
-        self.step_seconds: list[tuple[int, float]] = []  # the last guess(): (rows, seconds) per draft step
+        self.step_seconds: list[tuple[int, float]] = []  # the last guess(): (sequences, seconds) per draft step
 
     @property
     def own_kv(self) -> bool:
@@ -104,7 +104,7 @@ class DraftRunner:
                     logits[r, [t for t in ban if t < logits.shape[1]]] = float("-inf")
             for seq, token in zip(seqs, logits.argmax(dim=-1).tolist()):
                 guesses[seq.seq_id].append(int(token))
-            self.step_seconds.append((len(ids), time.perf_counter() - t0))
+            self.step_seconds.append((len(seqs), time.perf_counter() - t0))  # by sequences, as the policy asks
         for item in verify:
             seq = item.seq
             seq.draft_token_ids = guesses[seq.seq_id]

@@ -167,7 +167,7 @@ class Speculator:
         self._stop_ids = stop_ids
         self.draft = draft
         self.cost = StepCostModel()  # whole steps of plain and VERIFY rows, without the draft's time
-        self.draft_cost = StepCostModel()  # one draft step, by its rows
+        self.draft_cost = StepCostModel()  # one draft step, by the sequences guessing in it
         self._draft_seconds = 0.0  # this step's
         self._states: dict[int, _SeqState] = {}
         self._drafted: list[Sequence] = []
