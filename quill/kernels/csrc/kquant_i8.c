@@ -1,61 +1,53 @@
 /* Opt-in int8 activations (KernelOptions.int8): the GEMV / GEMM reads the same weights as kquant.c
  * and quant_gemv.c, but each 32 activations are first rounded to int8 with their own fp32 scale,
- * so a 64-weight stretch is one integer dot-product instruction (AVX-512 VNNI vpdpbusd) instead of
- * sixteen fp32 FMAs (AVX2 rows without VNNI: vpmaddubsw and vpmaddwd, further below). This is the one
- * place where quill rounds anything beyond the file's own quantization; the exact fp32 kernels stay
- * the default.
+ * so four weights times four activations are one lane of an integer dot-product instruction
+ * (AVX-512 VNNI vpdpbusd; AVX2 rows without VNNI: vpmaddubsw and vpmaddwd, further below) instead of
+ * four fp32 FMAs. This is the one place where quill rounds anything beyond the file's own
+ * quantization; the exact fp32 kernels stay the default.
  *
  * Activations (quill_act8_quantize): for each item and each group g of 32 inputs,
  *   dx[g] = max|x| / 127,  q = round-to-nearest-even(x * (1 / dx[g])) in -127..127,
- * and alongside them the integer sums the weight formats' offsets need: s16 (each 16 codes' sum, as
- * a float) and xs[g] = dx[g] * (sum of the group's 32 codes), and the codes again in "quad" order
- * (qp, below). One item's buffer is
- *   q: K int8 | dx: K/32 fp32 | xs: K/32 fp32 | s16: K/16 fp32 | qp: K int8   (act_bytes(K) = 2.5 K).
- * Quad order, per 128 inputs (four groups g0..g3): the first 16 codes of g0, g1, g2, g3, then their
- * last 16. A 64-byte load of it holds 16 codes of each of four groups, one group per 128-bit lane, so
- * the VNNI rows accumulate two such loads in one int32 register and scale it once per group (Q6_K
- * applies its per-16 int scales to the dots first); the weights are shuffled the same way, once per
- * block for a whole tile of items. The q4 / q8 layouts take this path for whole 256-weight stretches
- * where K % 128 == 0, and element order (q) otherwise.
+ * and alongside them the sums the weight formats' offsets need: s16 (each 16 codes' sum), s32 (each
+ * group's), both integers held exactly as floats, and xs[g] = dx[g] * s32[g]. One item's buffer is
+ *   q: K int8 | dx: K/32 fp32 | xs: K/32 fp32 | s16: K/16 fp32 | s32: K/32 fp32   (act_bytes(K) = 1.625 K).
  *
- * A row's result is then exactly sum over groups of (weight scale * dx) * (integer codes . q), minus
- * the formats' offsets, in fp32:
- *   Q4_K, Q5_K  w = d sc q - dmin m      -> sum_g d sc_g dx_g (q.x)_g - sum_g dmin m_g xs_g
- *   Q6_K        w = d sc (q - 32)        -> sum_c d sc_c dx_(c/2) (q.x)_c - 32 sum_c d sc_c dx_(c/2) s16_c
- *   IQ4_XS      w = d (ls - 32) k[q]     -> codes k[q] + 128 unsigned, minus 128 sum_g scale_g xs_g
- *   q4 layout   w = scale q + min        -> sum_g scale_g dx_g (q.x)_g + sum_g min_g xs_g
- *   q8 layout   (Q8_0, Q5_1) the same; its codes are signed, so x + 128 is the unsigned operand and
- *               the row's own 128 * sum(w) seeds the integer accumulator.
- * (c: 16-weight chunk, g: 32-weight group; integer dots are exact in int32.)
+ * A row's result is then sum over groups of (weight scale * dx) * (integer codes . q), plus the
+ * formats' offsets, in fp32:
+ *   Q4_K, Q5_K  w = d sc q - dmin m      -> per group: (d sc_g dx_g) (q.x)_g - (dmin m_g) xs_g
+ *   Q6_K        w = d sc (q - 32)        -> per 16-chunk: (d sc_c dx_(c/2)) ((q.x)_c - 32 s16_c)
+ *   IQ4_XS      w = d (ls - 32) k[q]     -> codes k[q] + 128 unsigned: (scale_g dx_g) ((k.x)_g - 128 s32_g)
+ *   q4 layout   w = scale q + min        -> (scale_g dx_g) (q.x)_g + min_g xs_g
+ *   q8 layout   (Q8_0, Q5_1) codes w + 128 unsigned: (scale_g dx_g) ((w.x)_g - 128 s32_g) + min_g xs_g
+ * (c: 16-weight chunk, g: 32-weight group; integer dots are exact in int32, and so is each offset
+ * subtracted from them in fp32, every term being an integer below 2^24.)
  *
  * Batch invariance: each (row, item) pair runs the same instructions in the same order wherever the
- * item sits in the batch; tiles of items only share the decoded weights. Block layouts: facts from
- * GGML's format (ggml-common.h); the code is written here.
+ * item sits in the batch; items only share the decoded weights. Block layouts: facts from GGML's
+ * format (ggml-common.h); the code is written here.
  */
 #include <immintrin.h>
 
 #include "kformat.h"
 #include "simd.h"
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define ALWAYS __attribute__((always_inline))
-#define T8 8       /* items sharing one decode of a row's weights */
-#define ROWS 16    /* rows per task: their weights and a tile of activations stay in L1/L2 together */
+#define ROWS 16    /* AVX2 rows per task: their weights and a tile of activations stay in L1/L2 together */
 
-static inline long act_bytes(long K) { return K + K / 8 + K / 8 + K / 4 + K; }
+static inline long act_bytes(long K) { return K + K / 8 + K / 8 + K / 4 + K / 8; }
 
 typedef struct {
     const int8_t *q;
-    const float *dx, *xs, *s16;
-    const int8_t *qp;
+    const float *dx, *xs, *s16, *s32;
 } Act;
 
 static inline Act act_at(const uint8_t *buf, long K, int b) {
     const uint8_t *p = buf + (long)b * act_bytes(K);
     return (Act){(const int8_t *)p, (const float *)(p + K), (const float *)(p + K + K / 8), (const float *)(p + K + K / 4),
-                 (const int8_t *)(p + K + K / 2)};
+                 (const float *)(p + K + K / 2)};
 }
 
 long quill_act8_bytes(int B, int K) { return (long)B * act_bytes(K); }
@@ -78,7 +70,7 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
         uint8_t *p = buf + (long)b * act_bytes(K);
         int8_t *q = (int8_t *)p;
         float *dx = (float *)(p + K), *xs = (float *)(p + K + K / 8), *s16 = (float *)(p + K + K / 4);
-        int8_t *qp = (int8_t *)(p + K + K / 2);
+        float *s32 = (float *)(p + K + K / 2);
         for (int g = 0; g < K / 32; g++) {
             const float *xg = x + (long)b * K + 32L * g;
             __m256 v[4];
@@ -95,272 +87,339 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
             const __m256i bytes = _mm256_permutevar8x32_epi32(
                 _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), order);
             _mm256_storeu_si256((__m256i *)(q + 32L * g), bytes);
-            if (K % 128 == 0) { /* quad order: g's first 16 codes, then (64 bytes on) its last 16 */
-                int8_t *at = qp + 128L * (g / 4) + 16 * (g % 4);
-                _mm_storeu_si128((__m128i *)at, _mm256_castsi256_si128(bytes));
-                _mm_storeu_si128((__m128i *)(at + 64), _mm256_extracti128_si256(bytes, 1));
-            }
             const float lo = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[0], i[1])));
             const float hi = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[2], i[3])));
             s16[2 * g] = lo;
             s16[2 * g + 1] = hi;
+            s32[g] = lo + hi;
             dx[g] = d;
             xs[g] = d * (lo + hi);
         }
     }
 }
 
-
-/* Lanes 0-7 take element 2j of an 8-float vector, lanes 8-15 element 2j + 1: one group pair's scales. */
-VNNI static inline __m512i pair_index(int j) {
-    return _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                             2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
-}
-
-/* Q4_K / Q5_K's eight 6-bit scales and mins of a block, times d and dmin. */
+/* Q4_K / Q5_K's eight 6-bit scales and mins of a block, times d and dmin (the AVX2 rows). */
 static inline void kmins_scales(const uint8_t *blk, __m256 *sc, __m256 *mn) {
     const __m128i bytes = k4_scales_mins(blk);
     *sc = _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
     *mn = _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
 }
 
-/* Two 32-byte halves (element order) as one 64-byte vector. */
-VNNI static inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-
-/* 32 bytes of 4-bit pairs in the [16 low nibbles, 16 high nibbles] per-group order (Q4_0, IQ4) ->
- * 64 codes of two 32-groups in element order. */
-VNNI static inline __m512i nibble_pairs(__m256i raw) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    const __m512i t = join(_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
-    return _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
-}
-
-/* ---- 256-weight super-block kinds: 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K ---- */
-
-/* Bytes per super-block of the block kinds with an int8 kernel. */
+/* Bytes per super-block of the block kinds with an int8 kernel: 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K. */
 static inline int super_bytes(int kind) {
     return kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
 }
 
-/* One super-block decoded for every item of the tile: w[4] the 256 unsigned codes in element order,
- * per-group scales (8 floats) or per-16 scales (Q6_K: 16 floats), and the offset's weight factors. */
+/* ---- AVX-512 VNNI: tiles of 16 weight rows, one row per 32-bit lane ----
+ *
+ * The 16 rows' bytes of one super-block (or of 256 weights of a q4 / q8 row) are transposed so that
+ * dword j of every row sits in one register, lane r holding row r (transpose16); the format is then
+ * decoded lane-wise, the same arithmetic as GGML's reference for one row, into 64 registers of four
+ * unsigned codes per lane (C[j]: weights 4j..4j+3 of the 256) and per-lane scales. An item's dot is
+ * then vpdpbusd of C[j] with four of its int8 activations broadcast to every lane: sixteen rows'
+ * partial dots in one instruction, no horizontal sums, and each decoded register serves every item of
+ * the batch (the batch's reuse of a decoded weight tile). Each (row, item) pair's float sequence --
+ * per block, per group in order: one FMA of the scaled dot, then one of the min -- is the same for any
+ * batch, so one kernel serves decode and prefill. */
+
+#define IT 8     /* items whose accumulators a pass over a decoded tile keeps in registers */
+#define CHUNK 64 /* items per pass over the weights: their activations stay in L2 while each tile meets them */
+
 typedef struct {
-    __m512i w[4];
-    __m256 sc;      /* Q4_K/Q5_K: d sc; IQ4_XS: d (ls - 32) */
-    __m512 sc16;    /* Q6_K: d sc per 16 weights */
-    __m512i isc[4]; /* Q6_K: w[j]'s per-16 int8 scales, one per 128-bit lane (quad order) */
-    __m512 noff;    /* the offset's factor, signed and scaled: Q4_K/Q5_K -dmin m (lanes 0-7; 8-15 zero),
-                       IQ4_XS -128 scale (the same lanes), Q6_K -32 d sc (all 16) */
-} Block;
+    __m512i c[64];  /* codes: c[j] lane r = row r's weights 4j..4j+3 (unsigned bytes) */
+    __m512 sc[16];  /* per 32-group (Q6_K: per 16-chunk) weight scale, lane r = row r */
+    __m512 mn[8];   /* per 32-group min (Q4_K, Q5_K: dmin m; q4 / q8 layouts: min) */
+} Tile;
 
-VNNI static inline ALWAYS void decode_block(const int kind, const uint8_t *blk, Block *k) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    if (kind == 0 || kind == 5) {
-        __m256 mn;
-        kmins_scales(blk, &k->sc, &mn);
-        k->noff = _mm512_zextps256_ps512(_mm256_sub_ps(_mm256_setzero_ps(), mn));
-        const uint8_t *qs = blk + (kind == 5 ? 48 : 16);
-        const __m256i qh = kind == 5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if (kind == 5) { /* bit g of qh's byte l is element l of group g's fifth bit */
-                const __m256i one = _mm256_set1_epi8(1);
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
+/* out[j] lane r = dword j of the n bytes at rows[r] (n <= 64; dwords past n read as zero). A 16 x 16
+ * transpose of 32-bit elements in four rounds of unpacks and 128-bit shuffles. */
+VNNI static inline ALWAYS void transpose16(const uint8_t *const *rows, long off, int n, __m512i out[16]) {
+    const __mmask64 m = n >= 64 ? ~0ULL : (1ULL << n) - 1;
+    __m512i r[16], a[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_maskz_loadu_epi8(m, rows[i] + off);
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + c] 128-bit lane L: rows 4i..4i+3's dword 4L + c */
+        r[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i lo0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), hi0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        const __m512i lo1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), hi1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        out[c] = _mm512_shuffle_i32x4(lo0, lo1, 0x88);
+        out[4 + c] = _mm512_shuffle_i32x4(lo0, lo1, 0xdd);
+        out[8 + c] = _mm512_shuffle_i32x4(hi0, hi1, 0x88);
+        out[12 + c] = _mm512_shuffle_i32x4(hi0, hi1, 0xdd);
+    }
+}
+
+VNNI static inline __m512 lanes_f16(__m512i v, int shift) { /* the fp16 at bits [shift, shift + 16) of each lane */
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift)));
+}
+VNNI static inline __m512i lanes_byte(__m512i v, int k) { /* byte k of each lane, zero-extended */
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xff));
+}
+
+/* The first min(n, 64) bytes at rows[r] + off, transposed: returns how many dwords hold them. */
+VNNI static inline ALWAYS int transpose_span(const uint8_t *const *rows, long off, int n, __m512i out[16]) {
+    transpose16(rows, off, n, out);
+    return n >= 64 ? 16 : (n + 3) / 4;
+}
+
+/* Dword i of a super-block (lane r = row r), decoded into t as it arrives; `keep` holds what later
+ * dwords need (Q4_K / Q5_K: the header; Q5_K: the fifth bits; Q6_K: the high pairs, which are
+ * transposed first). */
+VNNI static inline ALWAYS void put_dword(const int kind, int i, __m512i v, Tile *t, __m512i *keep) {
+    const __m512i n4 = _mm512_set1_epi8(15);
+    if (kind == 0 || kind == 5) { /* d, dmin; 12 bytes of 6-bit scales and mins; Q5_K: 32 bytes of fifth bits */
+        const int qs = kind == 5 ? 12 : 4; /* first dword of the 128 bytes of nibbles */
+        if (i < 4) {
+            keep[i] = v;
+            if (i < 3) return;
+            const __m512 d = lanes_f16(keep[0], 0), dmin = lanes_f16(keep[0], 16);
+            /* the twelve bytes as four lanes of four 6-bit values each (kformat.h's k4_scales_mins, lane-wise):
+             * scales 0-3, scales 4-7, mins 0-3, mins 4-7 */
+            const __m512i u0 = keep[1], u1 = keep[2], u2 = v, lo6 = _mm512_set1_epi8(0x3f), n4b = _mm512_set1_epi8(15),
+                          top2 = _mm512_set1_epi8(0x30);
+            const __m512i q[4] = {_mm512_and_si512(u0, lo6),
+                                  _mm512_ternarylogic_epi32(n4b, u2, _mm512_and_si512(_mm512_srli_epi32(u0, 2), top2), 0xca),
+                                  _mm512_and_si512(u1, lo6),
+                                  _mm512_ternarylogic_epi32(n4b, _mm512_srli_epi32(u2, 4), _mm512_and_si512(_mm512_srli_epi32(u1, 2), top2), 0xca)};
+            for (int g = 0; g < 8; g++) {
+                /* byte g % 4 of each lane, zero-extended; Q4_K's odd groups scaled by 1/16 (their codes are the
+                 * high nibbles in place, 16 times the value: the product is the same, powers of two being exact) */
+                const __m512i pick = _mm512_set1_epi32((int)(0x80808000u | (unsigned)(g % 4)));
+                const __m512i sel = _mm512_add_epi32(pick, _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12));
+                /* (vpshufb indexes bytes within each 128-bit lane: dword k's byte g % 4 is byte 4k + g % 4 there) */
+                const __m512 sc = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(q[g / 4], sel));
+                const __m512 mn = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(q[2 + g / 4], sel));
+                t->sc[g] = _mm512_mul_ps(kind == 0 && g % 2 ? _mm512_mul_ps(d, _mm512_set1_ps(0.0625f)) : d, sc);
+                t->mn[g] = _mm512_mul_ps(dmin, mn);
             }
-            k->w[j] = join(lo, hi);
-        }
-    } else if (kind == 1) {
-        k->sc16 = _mm512_mul_ps(_mm512_set1_ps(f16(blk + 208)),
-                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
-        const __m512i n4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
-        for (int h = 0; h < 2; h++) { /* as kquant.c's row_q6k_512_n: runs 0, 1 then runs 2, 3 of each half */
-            const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * h));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            const __m512i qh2 = join(qh, _mm256_srli_epi16(qh, 2));
-            k->w[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, n4), _mm512_slli_epi16(_mm512_and_si512(qh2, m2), 4));
-            k->w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), n4),
-                                              _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), m2), 4));
-        }
-        k->noff = _mm512_mul_ps(k->sc16, _mm512_set1_ps(-32.0f));
-        k->sc = _mm256_set1_ps(f16(blk + 208));
-        /* in quad order w[j]'s lane m holds 16-chunk 2m + j (j < 2) or 8 + 2m + j - 2 of the block */
-        const __m512i ints = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
-        for (int j = 0; j < 4; j++) {
-            const int c = j < 2 ? j : 6 + j;
-            k->isc[j] = _mm512_permutexvar_epi32(_mm512_setr_epi32(c, c, c, c, c + 2, c + 2, c + 2, c + 2, c + 4, c + 4,
-                                                                   c + 4, c + 4, c + 6, c + 6, c + 6, c + 6), ints);
-        }
-    } else { /* IQ4_XS: d fp16, 2 bytes of high scale bits, 4 bytes of low scale nibbles, 128 bytes of indices */
-        const float d = f16(blk);
-        const int high = blk[2] | (blk[3] << 8);
-        float s[8];
-        for (int ib = 0; ib < 8; ib++)
-            s[ib] = d * (float)((((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32);
-        k->sc = _mm256_loadu_ps(s);
-        k->noff = _mm512_zextps256_ps512(_mm256_mul_ps(k->sc, _mm256_set1_ps(-128.0f)));
-        __m128i t = _mm_loadu_si128((const __m128i *)IQ4_TABLE);
-        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(t, _mm_set1_epi8((char)128)));
-        for (int j = 0; j < 4; j++)
-            k->w[j] = _mm512_shuffle_epi8(table, nibble_pairs(_mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * j))));
-    }
-    for /* element order (two groups per vector) -> quad order, as the activations' qp */ (int j = 0; j < 4; j += 2) {
-            const __m512i a = k->w[j], c = k->w[j + 1];
-            k->w[j] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
-            k->w[j + 1] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
-        }
-}
-
-/* One item's contribution of one super-block (index b of the row) to its accumulator: the codes' dots
- * scaled per group (Q6_K: per 16), then the format's offset, both into the same 16 lanes. */
-VNNI static inline ALWAYS void block_item(const int kind, const Block *k, Act a, int b, __m512 *acc) {
-    if (kind == 1) { /* per-16 int scales applied to the int32 dots, then d dx per group as for the others */
-        const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        const __m256 dx8 = _mm256_loadu_ps(a.dx + 8L * b);
-        const __m512 dx = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(dx8));
-        const int8_t *xq = a.qp + 256L * b;
-        __m512i d[4];
-        for (int j = 0; j < 4; j++)
-            d[j] = _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k->w[j], _mm512_loadu_si512((const void *)(xq + 64 * j))), k->isc[j]);
-        const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(k->sc, dx8));
-        const __m512i quad0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        const __m512i quad1 = _mm512_add_epi32(quad0, _mm512_set1_epi32(4));
-        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[0], d[1])), _mm512_permutexvar_ps(quad0, p), *acc);
-        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[2], d[3])), _mm512_permutexvar_ps(quad1, p), *acc);
-        *acc = _mm512_fmadd_ps(_mm512_mul_ps(k->noff, dx), _mm512_loadu_ps(a.s16 + 16L * b), *acc);
-        return;
-    }
-    /* k->w in quad order (decode_block): w[0], w[1] hold groups 0-3 one per 128-bit lane, w[2], w[3]
-     * groups 4-7; two integer accumulators, each scaled once */
-    const int8_t *xq = a.qp + 256L * b;
-    const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(k->sc, _mm256_loadu_ps(a.dx + 8L * b)));
-    const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k->w[0], _mm512_loadu_si512((const void *)xq)),
-                                           k->w[1], _mm512_loadu_si512((const void *)(xq + 64)));
-    const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k->w[2], _mm512_loadu_si512((const void *)(xq + 128))),
-                                           k->w[3], _mm512_loadu_si512((const void *)(xq + 192)));
-    const __m512i quad0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i quad1 = _mm512_add_epi32(quad0, _mm512_set1_epi32(4));
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_permutexvar_ps(quad0, p), *acc);
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_permutexvar_ps(quad1, p), *acc);
-    *acc = _mm512_fmadd_ps(k->noff, _mm512_maskz_loadu_ps(0xff, a.xs + 8L * b), *acc);
-}
-
-VNNI static inline ALWAYS void kq_row_n(const int kind, const uint8_t *row, int nblk, const uint8_t *act, long K,
-                                        float *out, int ld, int n, int b0, const int nb) {
-    const int bytes = super_bytes(kind);
-    __m512 acc[T8];
-    for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < nblk; b++) {
-        Block k;
-        decode_block(kind, row + (long)b * bytes, &k);
-        for (int t = 0; t < nb; t++) block_item(kind, &k, act_at(act, K, b0 + t), b, &acc[t]);
-    }
-    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]);
-}
-
-VNNI static void kq_row(int kind, const uint8_t *row, int nblk, const uint8_t *act, long K, float *out, int ld, int n,
-                        int b0, int nb) {
-    if (kind == 0) { NB_SWITCH(kq_row_n, 0, row, nblk, act, K, out, ld, n, b0) }
-    else if (kind == 1) { NB_SWITCH(kq_row_n, 1, row, nblk, act, K, out, ld, n, b0) }
-    else if (kind == 4) { NB_SWITCH(kq_row_n, 4, row, nblk, act, K, out, ld, n, b0) }
-    else { NB_SWITCH(kq_row_n, 5, row, nblk, act, K, out, ld, n, b0) }
-}
-
-/* ---- quant_gemv.c's layouts: 32-weight groups with an fp32 scale and min per (row, group) ---- */
-
-/* Eight whole groups (256 weights) of a q4 / q8 row in quad order (see block_item): the codes shuffled
- * once for the tile; q8's seeds (-128 * the lane's weight sums) shuffled with them. */
-VNNI static inline ALWAYS void quad_stretch(const int q8, const uint8_t *src, __m256 sc, __m512 mn, int has_mins,
-                                            const uint8_t *act, long K, int g0, int b0, const int nb, __m512 *acc) {
-    __m512i w[4];
-    for (int j = 0; j < 4; j++)
-        w[j] = q8 ? _mm512_loadu_si512((const void *)(src + 64 * j)) : nibble_pairs(_mm256_loadu_si256((const __m256i *)(src + 32 * j)));
-    for (int j = 0; j < 4; j += 2) {
-        const __m512i a = w[j], c = w[j + 1];
-        w[j] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
-        w[j + 1] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-    __m512i seed[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-    if (q8)
-        for (int h = 0; h < 2; h++) {
-            const __m512i ones = _mm512_set1_epi8(1);
-            const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[2 * h]), ones, w[2 * h + 1]);
-            seed[h] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
-        }
-    const __m512i quad0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i quad1 = _mm512_add_epi32(quad0, _mm512_set1_epi32(4)), flip = _mm512_set1_epi8((char)0x80);
-    for (int t = 0; t < nb; t++) {
-        const Act a = act_at(act, K, b0 + t);
-        const int8_t *xq = a.qp + 32L * g0;
-        __m512i d[2];
-        for (int h = 0; h < 2; h++) {
-            const __m512i x0 = _mm512_loadu_si512((const void *)(xq + 128 * h)), x1 = _mm512_loadu_si512((const void *)(xq + 128 * h + 64));
-            d[h] = q8 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed[h], _mm512_xor_si512(x0, flip), w[2 * h]), _mm512_xor_si512(x1, flip), w[2 * h + 1])
-                      : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed[h], w[2 * h], x0), w[2 * h + 1], x1);
-        }
-        const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(a.dx + g0)));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[0]), _mm512_permutexvar_ps(quad0, p), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[1]), _mm512_permutexvar_ps(quad1, p), acc[t]);
-        if (has_mins) acc[t] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(0xff, a.xs + g0), acc[t]);
-    }
-}
-
-/* Row n of a q4 (16 bytes per group) or q8 (32 signed bytes per group) layout, eight groups at a time
- * (the last stretch masked where G is not a multiple of 8). */
-VNNI static inline ALWAYS void pk_row_n(const int q8, const uint8_t *codes, const float *scale, const float *mins,
-                                        int G, const uint8_t *act, long K, float *out, int ld, int n, int b0,
-                                        const int nb) {
-    const int per = q8 ? 32 : 16;
-    const uint8_t *row = codes + (long)n * G * per;
-    const float *sr = scale + (long)n * G, *mr = mins ? mins + (long)n * G : NULL;
-    __m512 acc[T8];
-    for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
-    for (int g0 = 0; g0 < G; g0 += 8) {
-        const int ng = G - g0 < 8 ? G - g0 : 8, pairs = (ng + 1) / 2;
-        const __mmask8 gm = (__mmask8)((1u << ng) - 1);
-        const __m256 sc = _mm256_maskz_loadu_ps(gm, sr + g0);
-        const __m512 mn = mr ? _mm512_maskz_loadu_ps(gm, mr + g0) : _mm512_setzero_ps(); /* lanes 8-15 zero */
-        __m512i w[4], seed[4];
-        if (ng == 8 && K % 128 == 0) { /* a whole 256-weight stretch: quad order, as the block kinds */
-            quad_stretch(q8, row + (long)g0 * per, sc, mn, mr != NULL, act, K, g0, b0, nb, acc);
-            continue;
-        }
-        for (int j = 0; j < pairs; j++) {
-            const int two = g0 + 2 * j + 1 < G; /* both groups of the pair exist */
-            const uint8_t *src = row + (long)(g0 + 2 * j) * per;
-            if (q8) {
-                const __m512i raw = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xffffffffULL, src);
-                w[j] = raw; /* signed: the activations take the unsigned side, x + 128 */
-                /* -128 * (each lane's four weights' sum): the dot of x + 128 then starts from it */
-                const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), raw);
-                seed[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
-            } else {
-                const __m256i raw = _mm256_maskz_loadu_epi8(two ? 0xffffffffu : 0xffffu, src);
-                w[j] = nibble_pairs(raw);
-                seed[j] = _mm512_setzero_si512();
+        } else if (i < qs) {
+            keep[i] = v; /* Q5_K's qh, dwords 4..11 */
+        } else { /* 32 bytes per 64 weights: low nibbles weights 64j + l, high 64j + 32 + l */
+            const int j = (i - qs) / 8, e = (i - qs) % 8;
+            __m512i lo = _mm512_and_si512(v, n4), hi = kind == 0 ? _mm512_andnot_si512(n4, v) : _mm512_and_si512(_mm512_srli_epi32(v, 4), n4);
+            if (kind == 5) { /* bit 2j (2j + 1) of qh's byte l: weight 64j + l's (64j + 32 + l's) fifth bit */
+                const __m512i qh = keep[4 + e], one = _mm512_set1_epi8(1);
+                lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * j), one), 4));
+                hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * j + 1), one), 4));
             }
+            t->c[16 * j + e] = lo;
+            t->c[16 * j + 8 + e] = hi;
         }
-        for (int t = 0; t < nb; t++) {
-            const Act a = act_at(act, K, b0 + t);
-            const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_maskz_loadu_ps(gm, a.dx + g0)));
-            for (int j = 0; j < pairs; j++) {
-                const __mmask64 xm = g0 + 2 * j + 1 < G ? ~0ULL : 0xffffffffULL;
-                const __m512i x = _mm512_maskz_loadu_epi8(xm, a.q + 32L * (g0 + 2 * j));
-                const __m512i d = q8 ? _mm512_dpbusd_epi32(seed[j], _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80)), w[j])
-                                     : _mm512_dpbusd_epi32(seed[j], w[j], x); /* q8: (x + 128) . w - 128 sum(w) */
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pair_index(j), p), acc[t]);
+    } else if (kind == 1) { /* Q6_K: 128 bytes low nibbles, 64 bytes high pairs, 16 int8 scales, d */
+        if (i >= 32 && i < 48) {
+            keep[i - 32] = v;
+        } else if (i >= 48) {
+            if (i < 52) {
+                keep[16 + i - 48] = v;
+                return;
             }
-            if (mr) acc[t] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(gm, a.xs + g0), acc[t]);
+            const __m512 d = lanes_f16(v, 0);
+            for (int c = 0; c < 16; c++) /* byte c of the scales, sign-extended */
+                t->sc[c] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(keep[16 + c / 4], 24 - 8 * (c % 4)), 24)));
+        } else { /* ql[l] (ql[l + 32]) of half h with qh[l] -> weights 128h + l and 128h + l + 64 (+ 32) */
+            const int h = i / 16, second = (i % 16) / 8, e = i % 8;
+            /* each code: its 4 low bits from ql, bits 4-5 from its pair of qh moved there, masked */
+            const __m512i qh = keep[8 * h + e], top2 = _mm512_set1_epi8(0x30);
+            const __m512i lo_hi2 = second ? _mm512_slli_epi32(qh, 2) : _mm512_slli_epi32(qh, 4);
+            const __m512i hi_hi2 = second ? _mm512_srli_epi32(qh, 2) : qh;
+            t->c[32 * h + 8 * second + e] = _mm512_ternarylogic_epi32(n4, v, _mm512_and_si512(lo_hi2, top2), 0xca);
+            t->c[32 * h + 16 + 8 * second + e] = _mm512_ternarylogic_epi32(n4, _mm512_srli_epi32(v, 4), _mm512_and_si512(hi_hi2, top2), 0xca);
         }
+    } else { /* IQ4_XS: d, 16 bits of high scale bits, 4 bytes of low scale nibbles, 128 bytes of indices */
+        if (i < 2) {
+            keep[i] = v;
+            if (i == 0) return;
+            const __m512 d = lanes_f16(keep[0], 0);
+            for (int g = 0; g < 8; g++) {
+                const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (g / 2) + 4 * (g % 2)), _mm512_set1_epi32(15));
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(keep[0], 16 + 2 * g), _mm512_set1_epi32(3));
+                t->sc[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32))));
+            }
+            return;
+        }
+        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
+        const int g = (i - 2) / 4, e = (i - 2) % 4; /* 16 bytes per group: low nibbles weights 32g + l, high 32g + 16 + l */
+        t->c[8 * g + e] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, n4));
+        t->c[8 * g + 4 + e] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32(v, 4), n4));
     }
-    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = _mm512_reduce_add_ps(acc[t]);
 }
 
-VNNI static void pk_row(int q8, const uint8_t *codes, const float *scale, const float *mins, int G, const uint8_t *act,
-                        long K, float *out, int ld, int n, int b0, int nb) {
-    if (q8) { NB_SWITCH(pk_row_n, 1, codes, scale, mins, G, act, K, out, ld, n, b0) }
-    else { NB_SWITCH(pk_row_n, 0, codes, scale, mins, G, act, K, out, ld, n, b0) }
+/* Super-block b of a block kind (0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K) for 16 rows -> t, one transposed
+ * span of 64 bytes at a time (Q6_K: its high pairs, the third span, first). */
+VNNI static inline ALWAYS void decode_blocks(const int kind, const uint8_t *const *rows, long b, Tile *t) {
+    const int bytes = super_bytes(kind), spans = (bytes + 63) / 64;
+    __m512i keep[20];
+    for (int k = 0; k < spans; k++) {
+        const int s = kind == 1 ? (k == 0 ? 2 : k <= 2 ? k - 1 : 3) : k;
+        __m512i T[16];
+        const int n = transpose_span(rows, (long)b * bytes + 64 * s, bytes - 64 * s, T);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++)
+            if (j < n) put_dword(kind, 16 * s + j, T[j], t, keep);
+    }
+}
+
+/* Groups [8b, 8b + ng) of a q4 (16 bytes per group) or q8 (32 signed bytes) layout for 16 rows -> t,
+ * with the rows' per-group scales and mins (fp32, G per row; mins may be NULL). */
+VNNI static inline ALWAYS void decode_layout(const int q8, const uint8_t *const *rows, const uint8_t *const *srows,
+                                             const uint8_t *const *mrows, long b, int ng, Tile *t) {
+    const int per = q8 ? 32 : 16, n = ng * per;
+    __m512i T[64];
+    for (int s = 0; 64 * s < n; s++) transpose16(rows, 8L * b * per + 64 * s, n - 64 * s, T + 16 * s);
+    __m512i S[16];
+    transpose16(srows, 32L * b, 4 * ng, S);
+    for (int g = 0; g < ng; g++) t->sc[g] = _mm512_castsi512_ps(S[g]);
+    if (mrows) {
+        transpose16(mrows, 32L * b, 4 * ng, S);
+        for (int g = 0; g < ng; g++) t->mn[g] = _mm512_castsi512_ps(S[g]);
+    }
+    const __m512i n4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    for (int g = 0; g < ng; g++) {
+        if (q8) /* signed codes + 128: unsigned for vpdpbusd (the 128 s32 offset takes it back) */
+            for (int e = 0; e < 8; e++) t->c[8 * g + e] = _mm512_xor_si512(T[8 * g + e], flip);
+        else /* 16 bytes: low nibbles weights 32g + l, high 32g + 16 + l */
+            for (int e = 0; e < 4; e++) {
+                t->c[8 * g + e] = _mm512_and_si512(T[4 * g + e], n4);
+                t->c[8 * g + 4 + e] = _mm512_and_si512(_mm512_srli_epi32(T[4 * g + e], 4), n4);
+            }
+    }
+}
+
+VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* The integer dot of codes c[j0 .. j0 + n) with one item's activations at q (4n bytes), in two chains. */
+VNNI static inline ALWAYS __m512i tile_dot(const Tile *t, int j0, const int n, const int8_t *q) {
+    __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
+    for (int j = 0; j < n; j += 2) {
+        a = _mm512_dpbusd_epi32(a, t->c[j0 + j], bcast4(q + 4 * j));
+        c = _mm512_dpbusd_epi32(c, t->c[j0 + j + 1], bcast4(q + 4 * (j + 1)));
+    }
+    return _mm512_add_epi32(a, c);
+}
+
+/* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
+ * item i0 + i) += its contribution, in the float sequence the header states. */
+VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, int has_mins, const uint8_t *act, long K,
+                                          long b, int ng, float *acc, int i0, const int nb) {
+    __m512 s[IT];
+    for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i);
+    if (kind == 1) { /* Q6_K: per 16-chunk scales, offset 32 */
+        for (int c = 0; c < 16; c++)
+            for (int i = 0; i < nb; i++) {
+                const Act a = act_at(act, K, i0 + i);
+                __m512 f = _mm512_cvtepi32_ps(tile_dot(t, 4 * c, 4, a.q + 256 * b + 16 * c));
+                f = _mm512_fnmadd_ps(_mm512_set1_ps(32.0f), _mm512_set1_ps(a.s16[16 * b + c]), f);
+                s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[c], _mm512_set1_ps(a.dx[8 * b + c / 2])), s[i]);
+            }
+    } else {
+        const int offset = kind == 4 || kind == LAYOUT_Q8; /* codes + 128 */
+        const int minus = kind == 0 || kind == 5;          /* Q4_K / Q5_K subtract their mins; the layouts add them */
+        for (int g = 0; g < ng; g++)
+            for (int i = 0; i < nb; i++) {
+                const Act a = act_at(act, K, i0 + i);
+                __m512 f = _mm512_cvtepi32_ps(tile_dot(t, 8 * g, 8, a.q + 256 * b + 32 * g));
+                if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_set1_ps(a.s32[8 * b + g]), f);
+                s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[g], _mm512_set1_ps(a.dx[8 * b + g])), s[i]);
+                if (has_mins) {
+                    const __m512 x = _mm512_set1_ps(a.xs[8 * b + g]);
+                    s[i] = minus ? _mm512_fnmadd_ps(t->mn[g], x, s[i]) : _mm512_fmadd_ps(t->mn[g], x, s[i]);
+                }
+            }
+    }
+    for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
+}
+
+#define ITEMS_SWITCH(KIND)                                                                          \
+    switch (nb) {                                                                                   \
+    case 1: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 1); break;                        \
+    case 2: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 2); break;                        \
+    case 3: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 3); break;                        \
+    case 4: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 4); break;                        \
+    case 5: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 5); break;                        \
+    case 6: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 6); break;                        \
+    case 7: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 7); break;                        \
+    default: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 8); break;                       \
+    }
+
+VNNI static void items_pass(int kind, const Tile *t, int has_mins, const uint8_t *act, long K, long b, int ng,
+                            float *acc, int i0, int nb) {
+    if (kind == 0) { ITEMS_SWITCH(0) }
+    else if (kind == 1) { ITEMS_SWITCH(1) }
+    else if (kind == 4) { ITEMS_SWITCH(4) }
+    else if (kind == 5) { ITEMS_SWITCH(5) }
+    else if (kind == LAYOUT_Q4) { ITEMS_SWITCH(LAYOUT_Q4) }
+    else { ITEMS_SWITCH(LAYOUT_Q8) }
+}
+
+VNNI static void decode_any(int kind, const uint8_t *const *rows, const uint8_t *const *srows,
+                            const uint8_t *const *mrows, long b, int ng, Tile *t) {
+    if (kind == 0) decode_blocks(0, rows, b, t);
+    else if (kind == 1) decode_blocks(1, rows, b, t);
+    else if (kind == 4) decode_blocks(4, rows, b, t);
+    else if (kind == 5) decode_blocks(5, rows, b, t);
+    else if (kind == LAYOUT_Q4) decode_layout(0, rows, srows, mrows, b, ng, t);
+    else decode_layout(1, rows, srows, mrows, b, ng, t);
+}
+
+/* Part b of nblk of the n bytes at p, into L2. */
+static inline void prefetch_part(const char *p, long n, long b, long nblk) {
+    const long per = (n + nblk - 1) / nblk;
+    for (long o = b * per; o < (b + 1) * per && o < n; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+}
+
+/* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks of CHUNK, each chunk meeting every
+ * 16-row tile (tiles split among threads); within a tile, each super-block / stretch is decoded once
+ * and meets the chunk's items IT at a time. A last partial tile repeats row N - 1 and stores only
+ * its real rows. */
+VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, const float *mins, const uint8_t *act,
+                           long K, int N, int B, float *out, int ld, int threads) {
+    const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8;
+    const long row_bytes = layout ? (long)G * (kind == LAYOUT_Q8 ? 32 : 16) : (long)(K / 256) * super_bytes(kind);
+    const int tiles = (N + 15) / 16, has_mins = layout ? mins != NULL : kind == 0 || kind == 5;
+    for (int c0 = 0; c0 < B; c0 += CHUNK) {
+        const int nc = B - c0 < CHUNK ? B - c0 : CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+        for (int tile = 0; tile < tiles; tile++) {
+            const uint8_t *rows[16], *srows[16], *mrows[16];
+            for (int r = 0; r < 16; r++) {
+                const long n = 16L * tile + r < N ? 16L * tile + r : N - 1;
+                rows[r] = codes + n * row_bytes;
+                srows[r] = layout ? (const uint8_t *)(scale + n * G) : NULL;
+                mrows[r] = layout && mins ? (const uint8_t *)(mins + n * G) : NULL;
+            }
+            Tile t;
+            float acc[CHUNK * 16] __attribute__((aligned(64)));
+            memset(acc, 0, sizeof(float) * 16 * nc);
+            for (long b = 0; b < nblk; b++) {
+                const int ng = layout && G - 8 * b < 8 ? (int)(G - 8 * b) : 8;
+                if (tile + 1 < tiles) { /* the next tile's rows in address order, a sixteenth per b: sixteen
+                                           * streams at once would defeat the hardware prefetcher */
+                    const long rows_next = 16L * tile + 32 <= N ? 16 : N - 16L * tile - 16;
+                    prefetch_part((const char *)(codes + (16L * tile + 16) * row_bytes), rows_next * row_bytes, b, nblk);
+                    if (layout) prefetch_part((const char *)(scale + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
+                    if (layout && mins) prefetch_part((const char *)(mins + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
+                }
+                decode_any(kind, rows, srows, layout && mins ? mrows : NULL, b, ng, &t);
+                for (int i0 = 0; i0 < nc; i0 += IT)
+                    items_pass(kind, &t, has_mins, act, K, b, ng, acc + 16 * i0, c0 + i0, nc - i0 < IT ? nc - i0 : IT);
+            }
+            const int real = N - 16 * tile < 16 ? N - 16 * tile : 16;
+            const __mmask16 keep = (__mmask16)((1u << real) - 1);
+            for (int i = 0; i < nc; i++) _mm512_mask_storeu_ps(out + (long)(c0 + i) * ld + 16L * tile, keep, _mm512_loadu_ps(acc + 16 * i));
+        }
+    }
 }
 
 /* ---- AVX2 without VNNI (and AVX-512 hosts asked for isa 256): 32 weights at a time. A group's integer
@@ -533,6 +592,7 @@ static void pk_row_avx2(int q8, const uint8_t *codes, const float *scale, const 
 }
 
 /* 1 where `kind` (kquant.c's block kinds, LAYOUT_Q4, LAYOUT_Q8) has an int8 kernel: every CPU the kernels
+/* 1 where `kind` (kquant.c's block kinds, LAYOUT_Q4, LAYOUT_Q8) has an int8 kernel: every CPU the kernels
  * run on (AVX2) has one for these. */
 int quill_i8_supported(int kind) {
     return kind == 0 || kind == 1 || kind == 4 || kind == 5 || kind == LAYOUT_Q4 || kind == LAYOUT_Q8;
@@ -540,26 +600,30 @@ int quill_i8_supported(int kind) {
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T with x rounded as above. W: `kind`'s blocks (0 Q4_K,
  * 1 Q6_K, 4 IQ4_XS, 5 Q5_K; K a multiple of 256), or LAYOUT_Q4 / LAYOUT_Q8 codes with per-group scale
- * and mins (mins may be NULL: all zero). act: scratch of quill_act8_bytes(B, K) bytes. Rows go to
- * threads in runs of ROWS; within a run, items in tiles meet each row in turn. isa: 512 = the VNNI rows
- * where the CPU has them, else AVX2. Returns 0, or -1 (nothing written) where the kind has no int8 kernel. */
+ * and mins (mins may be NULL: all zero). act: scratch of quill_act8_bytes(B, K) bytes. isa: 512 = the
+ * VNNI tiles where the CPU has VNNI, else the AVX2 rows (rows go to threads in runs of ROWS; within a
+ * run, items in tiles of T4 meet each row in turn). Returns 0, or -1 (nothing written) where the kind
+ * has no int8 kernel. */
 int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const float *mins, const float *x,
                   uint8_t *act, float *out, int N, int K, int B, int ld, int isa, int threads) {
     if (!quill_i8_supported(kind) || K % (kind >= LAYOUT_Q4 ? 32 : 256)) return -1;
     quill_act8_quantize(x, act, B, K, threads);
-    const int vnni = isa >= 512 && quill_hw_vnni(), tile = vnni ? T8 : T4;
+    if (isa >= 512 && quill_hw_vnni()) {
+        tile_gemm(kind, codes, scale, mins, act, K, N, B, out, ld, threads);
+        return 0;
+    }
     const int runs = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int r = 0; r < runs; r++) {
         const int n1 = (r + 1) * ROWS < N ? (r + 1) * ROWS : N;
-        for (int b0 = 0; b0 < B; b0 += tile) {
-            const int nb = B - b0 < tile ? B - b0 : tile;
+        for (int b0 = 0; b0 < B; b0 += T4) {
+            const int nb = B - b0 < T4 ? B - b0 : T4;
             for (int n = r * ROWS; n < n1; n++) {
                 if (kind >= LAYOUT_Q4)
-                    (vnni ? pk_row : pk_row_avx2)(kind == LAYOUT_Q8, codes, scale, mins, K / 32, act, K, out, ld, n, b0, nb);
+                    pk_row_avx2(kind == LAYOUT_Q8, codes, scale, mins, K / 32, act, K, out, ld, n, b0, nb);
                 else {
                     const long row_bytes = (long)(K / 256) * super_bytes(kind);
-                    (vnni ? kq_row : kq_row_avx2)(kind, codes + (long)n * row_bytes, K / 256, act, K, out, ld, n, b0, nb);
+                    kq_row_avx2(kind, codes + (long)n * row_bytes, K / 256, act, K, out, ld, n, b0, nb);
                 }
             }
         }
