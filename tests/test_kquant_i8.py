@@ -100,6 +100,30 @@ def test_gemv_matches_fp64_on_rounded_activations(name, K, B, isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("N", [1, 5, 17])
+def test_fewer_rows_than_a_tile(name, N, isa):
+    """Row counts that leave a tile partly empty (the VNNI tiles repeat the last row and store only the
+    real ones): every written row is right, and nothing past N is touched."""
+    K = 512
+    lin = linear(name, N, K, seed=N)
+    x = activations(3, K, seed=N)
+    out = torch.full((3, N + 7), 7.0)  # rows of stride N + 7: the kernel writes columns [0, N) only
+    with use_kernel_options(int8(isa)):
+        scratch = torch.empty(lin.scratch_floats(3))  # held here: args carry only its address
+        fn, args = lin._call(lin.weight, x, out, scratch, ld=N + 7)
+        fn(*args)
+        got = lin(x)
+    assert (out[:, N:] == 7.0).all() and torch.equal(out[:, :N], got)
+    got = got.double().numpy()
+    q, d = rounded(x.numpy())
+    xq = (q.reshape(3, K // 32, 32).astype(np.float64) * d[..., None]).reshape(3, K)
+    want = xq @ lin.weight.dequantize().double().numpy().T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", INT8_TYPES)
 def test_rows_are_batch_invariant(name, isa):
     K = 512
