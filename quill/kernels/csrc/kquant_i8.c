@@ -160,9 +160,6 @@ VNNI static inline ALWAYS void transpose16(const uint8_t *const *rows, long off,
 VNNI static inline __m512 lanes_f16(__m512i v, int shift) { /* the fp16 at bits [shift, shift + 16) of each lane */
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift)));
 }
-VNNI static inline __m512i lanes_byte(__m512i v, int k) { /* byte k of each lane, zero-extended */
-    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xff));
-}
 
 /* The first min(n, 64) bytes at rows[r] + off, transposed: returns how many dwords hold them. */
 VNNI static inline ALWAYS int transpose_span(const uint8_t *const *rows, long off, int n, __m512i out[16]) {
@@ -591,7 +588,6 @@ static void pk_row_avx2(int q8, const uint8_t *codes, const float *scale, const 
     else pk_row_avx2_n(0, codes, scale, mins, G, act, K, out, ld, n, b0, nb);
 }
 
-/* 1 where `kind` (kquant.c's block kinds, LAYOUT_Q4, LAYOUT_Q8) has an int8 kernel: every CPU the kernels
 /* 1 where `kind` (kquant.c's block kinds, LAYOUT_Q4, LAYOUT_Q8) has an int8 kernel: every CPU the kernels
  * run on (AVX2) has one for these. */
 int quill_i8_supported(int kind) {
