@@ -20,6 +20,8 @@ from gguf import quants
 from quill.bench.synth import random_blocks
 from quill.kernels.packed import pack_gguf
 
+from test_kquant_i8 import rounded
+
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
 IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int64)
 M8 = 0xFF
@@ -175,11 +177,10 @@ def test_lane_decode_gives_ggufs_weights(kind):
 
 
 def rounded_item(x: np.ndarray):
-    """One item's activations as quill_act8_quantize rounds them: codes, dx per 32, sums per 16 and 32."""
-    g = x.reshape(-1, 32).astype(np.float32)
-    dx = (np.abs(g).max(-1) / np.float32(127)).astype(np.float32)
-    inv = np.where(dx != 0, np.float32(1) / np.where(dx != 0, dx, np.float32(1)), np.float32(0)).astype(np.float32)
-    q = np.rint(g * inv[:, None]).astype(np.int64).reshape(-1)
+    """One item's activations as quill_act8_quantize rounds them (test_kquant_i8.rounded): codes, dx per
+    32, and the codes' sums per 16 and per 32."""
+    q, dx = rounded(x[None])
+    q, dx = q[0].astype(np.int64), dx[0]
     s16 = q.reshape(-1, 16).sum(-1)
     return q, dx, s16, s16.reshape(-1, 2).sum(-1)
 

@@ -30,7 +30,6 @@
 #include "kformat.h"
 #include "simd.h"
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
@@ -93,7 +92,7 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
             s16[2 * g + 1] = hi;
             s32[g] = lo + hi;
             dx[g] = d;
-            xs[g] = d * (lo + hi);
+            xs[g] = d * s32[g];
         }
     }
 }
@@ -159,12 +158,6 @@ VNNI static inline ALWAYS void transpose16(const uint8_t *const *rows, long off,
 
 VNNI static inline __m512 lanes_f16(__m512i v, int shift) { /* the fp16 at bits [shift, shift + 16) of each lane */
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift)));
-}
-
-/* The first min(n, 64) bytes at rows[r] + off, transposed: returns how many dwords hold them. */
-VNNI static inline ALWAYS int transpose_span(const uint8_t *const *rows, long off, int n, __m512i out[16]) {
-    transpose16(rows, off, n, out);
-    return n >= 64 ? 16 : (n + 3) / 4;
 }
 
 /* Dword i of a super-block (lane r = row r), decoded into t as it arrives; `keep` holds what later
@@ -257,10 +250,10 @@ VNNI static inline ALWAYS void decode_blocks(const int kind, const uint8_t *cons
     for (int k = 0; k < spans; k++) {
         const int s = kind == 1 ? (k == 0 ? 2 : k <= 2 ? k - 1 : 3) : k;
         __m512i T[16];
-        const int n = transpose_span(rows, (long)b * bytes + 64 * s, bytes - 64 * s, T);
+        transpose16(rows, (long)b * bytes + 64 * s, bytes - 64 * s, T);
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++)
-            if (j < n) put_dword(kind, 16 * s + j, T[j], t, keep);
+            if (4 * j < bytes - 64 * s) put_dword(kind, 16 * s + j, T[j], t, keep); /* the dwords holding its bytes */
     }
 }
 
@@ -338,26 +331,14 @@ VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, int has
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
 }
 
-#define ITEMS_SWITCH(KIND)                                                                          \
-    switch (nb) {                                                                                   \
-    case 1: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 1); break;                        \
-    case 2: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 2); break;                        \
-    case 3: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 3); break;                        \
-    case 4: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 4); break;                        \
-    case 5: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 5); break;                        \
-    case 6: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 6); break;                        \
-    case 7: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 7); break;                        \
-    default: tile_items(KIND, t, has_mins, act, K, b, ng, acc, i0, 8); break;                       \
-    }
-
 VNNI static void items_pass(int kind, const Tile *t, int has_mins, const uint8_t *act, long K, long b, int ng,
                             float *acc, int i0, int nb) {
-    if (kind == 0) { ITEMS_SWITCH(0) }
-    else if (kind == 1) { ITEMS_SWITCH(1) }
-    else if (kind == 4) { ITEMS_SWITCH(4) }
-    else if (kind == 5) { ITEMS_SWITCH(5) }
-    else if (kind == LAYOUT_Q4) { ITEMS_SWITCH(LAYOUT_Q4) }
-    else { ITEMS_SWITCH(LAYOUT_Q8) }
+    if (kind == 0) { NB_SWITCH(tile_items, 0, t, has_mins, act, K, b, ng, acc, i0) }
+    else if (kind == 1) { NB_SWITCH(tile_items, 1, t, has_mins, act, K, b, ng, acc, i0) }
+    else if (kind == 4) { NB_SWITCH(tile_items, 4, t, has_mins, act, K, b, ng, acc, i0) }
+    else if (kind == 5) { NB_SWITCH(tile_items, 5, t, has_mins, act, K, b, ng, acc, i0) }
+    else if (kind == LAYOUT_Q4) { NB_SWITCH(tile_items, LAYOUT_Q4, t, has_mins, act, K, b, ng, acc, i0) }
+    else { NB_SWITCH(tile_items, LAYOUT_Q8, t, has_mins, act, K, b, ng, acc, i0) }
 }
 
 VNNI static void decode_any(int kind, const uint8_t *const *rows, const uint8_t *const *srows,
@@ -408,7 +389,7 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                     if (layout) prefetch_part((const char *)(scale + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                     if (layout && mins) prefetch_part((const char *)(mins + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                 }
-                decode_any(kind, rows, srows, layout && mins ? mrows : NULL, b, ng, &t);
+                decode_any(kind, rows, srows, mins ? mrows : NULL, b, ng, &t);
                 for (int i0 = 0; i0 < nc; i0 += IT)
                     items_pass(kind, &t, has_mins, act, K, b, ng, acc + 16 * i0, c0 + i0, nc - i0 < IT ? nc - i0 : IT);
             }
