@@ -124,9 +124,10 @@ def test_fewer_rows_than_a_tile(name, N, isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("name", INT8_TYPES)
-def test_rows_are_batch_invariant(name, isa):
-    K = 512
+@pytest.mark.parametrize("name,K", [(name, 512) for name in INT8_TYPES] + [("Q8_0", 544), ("Q4_1", 544)])
+def test_rows_are_batch_invariant(name, K, isa):
+    """A row alone (the VNNI kernel's one-item pass, codes decoded straight into the dot) equals the row in
+    a batch (decoded tiles shared by the items); K = 544 ends the layouts on a stretch of one group."""
     lin = linear(name, 24, K, seed=1)
     x = activations(16, K, seed=2)
     with use_kernel_options(int8(isa)):
@@ -141,10 +142,11 @@ def test_prefill_rows_take_the_int8_kernel_too():
     """With int8 activations a long prompt goes through the same kernel (no fp32 tile): its rows equal
     the rows computed one at a time."""
     lin = linear("Q4_K", 40, 512)
-    x = activations(70, 512)  # past one chunk of 64 items (the VNNI tiles' pass over the weights)
-    with use_kernel_options(int8()):
-        whole = lin(x)
-        assert all(torch.equal(whole[i], lin(x[i:i + 1].clone())[0]) for i in (0, 17, 63, 64, 69))
+    for T in (70, 65):  # past one chunk of 64 items (the VNNI tiles' pass over the weights); 65: a last chunk of one
+        x = activations(T, 512)
+        with use_kernel_options(int8()):
+            whole = lin(x)
+            assert all(torch.equal(whole[i], lin(x[i:i + 1].clone())[0]) for i in (0, 17, 63, 64, T - 1))
 
 
 @needs_kernels

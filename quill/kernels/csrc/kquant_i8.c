@@ -119,7 +119,13 @@ static inline int super_bytes(int kind) {
  * partial dots in one instruction, no horizontal sums, and each decoded register serves every item of
  * the batch (the batch's reuse of a decoded weight tile). Each (row, item) pair's float sequence --
  * per block, per group in order: one FMA of the scaled dot, then one of the min -- is the same for any
- * batch, so one kernel serves decode and prefill. */
+ * batch, so one kernel serves decode and prefill.
+ *
+ * A pass with a single item (batch 1, where decode is bound by the weight read) skips the tile in
+ * memory: each decoded register goes straight into the item's vpdpbusd (emit / Fuse), and the decode is
+ * unrolled so every register index is a constant (with run-time indices the codes and dots went through
+ * the stack). Batch 1 takes about 0.8x the time of the tile path; the integer dots are the same, so the
+ * floats are too. */
 
 #define IT 8     /* items whose accumulators a pass over a decoded tile keeps in registers */
 #define CHUNK 64 /* items per pass over the weights: their activations stay in L2 while each tile meets them */
@@ -129,6 +135,26 @@ typedef struct {
     __m512 sc[16];  /* per 32-group (Q6_K: per 16-chunk) weight scale, lane r = row r */
     __m512 mn[8];   /* per 32-group min (Q4_K, Q5_K: dmin m; q4 / q8 layouts: min) */
 } Tile;
+
+/* One item meeting the tile as it is decoded (a pass with a single item: nothing to reuse, so the codes
+ * go straight into its dots instead of through memory): d[k] lane r = row r's integer dot over codes
+ * c[4k .. 4k + 4) with the item's activations q (the block's 256). */
+typedef struct {
+    __m512i d[16];
+    const int8_t *q;
+} Fuse;
+
+VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* Codes c[j] of the tile: kept for the items of a pass, or (f) dotted at once with f's item. */
+VNNI static inline ALWAYS void emit(Tile *t, Fuse *f, int j, __m512i v) {
+    if (f) f->d[j / 4] = _mm512_dpbusd_epi32(f->d[j / 4], v, bcast4(f->q + 4 * j));
+    else t->c[j] = v;
+}
 
 /* out[j] lane r = dword j of the n bytes at rows[r] (n <= 64; dwords past n read as zero). A 16 x 16
  * transpose of 32-bit elements in four rounds of unpacks and 128-bit shuffles. */
@@ -163,7 +189,7 @@ VNNI static inline __m512 lanes_f16(__m512i v, int shift) { /* the fp16 at bits 
 /* Dword i of a super-block (lane r = row r), decoded into t as it arrives; `keep` holds what later
  * dwords need (Q4_K / Q5_K: the header; Q5_K: the fifth bits; Q6_K: the high pairs, which are
  * transposed first). */
-VNNI static inline ALWAYS void put_dword(const int kind, int i, __m512i v, Tile *t, __m512i *keep) {
+VNNI static inline ALWAYS void put_dword(const int kind, int i, __m512i v, Tile *t, Fuse *f, __m512i *keep) {
     const __m512i n4 = _mm512_set1_epi8(15);
     if (kind == 0 || kind == 5) { /* d, dmin; 12 bytes of 6-bit scales and mins; Q5_K: 32 bytes of fifth bits */
         const int qs = kind == 5 ? 12 : 4; /* first dword of the 128 bytes of nibbles */
@@ -200,8 +226,8 @@ VNNI static inline ALWAYS void put_dword(const int kind, int i, __m512i v, Tile 
                 lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * j), one), 4));
                 hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * j + 1), one), 4));
             }
-            t->c[16 * j + e] = lo;
-            t->c[16 * j + 8 + e] = hi;
+            emit(t, f, 16 * j + e, lo);
+            emit(t, f, 16 * j + 8 + e, hi);
         }
     } else if (kind == 1) { /* Q6_K: 128 bytes low nibbles, 64 bytes high pairs, 16 int8 scales, d */
         if (i >= 32 && i < 48) {
@@ -220,8 +246,8 @@ VNNI static inline ALWAYS void put_dword(const int kind, int i, __m512i v, Tile 
             const __m512i qh = keep[8 * h + e], top2 = _mm512_set1_epi8(0x30);
             const __m512i lo_hi2 = second ? _mm512_slli_epi32(qh, 2) : _mm512_slli_epi32(qh, 4);
             const __m512i hi_hi2 = second ? _mm512_srli_epi32(qh, 2) : qh;
-            t->c[32 * h + 8 * second + e] = _mm512_ternarylogic_epi32(n4, v, _mm512_and_si512(lo_hi2, top2), 0xca);
-            t->c[32 * h + 16 + 8 * second + e] = _mm512_ternarylogic_epi32(n4, _mm512_srli_epi32(v, 4), _mm512_and_si512(hi_hi2, top2), 0xca);
+            emit(t, f, 32 * h + 8 * second + e, _mm512_ternarylogic_epi32(n4, v, _mm512_and_si512(lo_hi2, top2), 0xca));
+            emit(t, f, 32 * h + 16 + 8 * second + e, _mm512_ternarylogic_epi32(n4, _mm512_srli_epi32(v, 4), _mm512_and_si512(hi_hi2, top2), 0xca));
         }
     } else { /* IQ4_XS: d, 16 bits of high scale bits, 4 bytes of low scale nibbles, 128 bytes of indices */
         if (i < 2) {
@@ -237,33 +263,32 @@ VNNI static inline ALWAYS void put_dword(const int kind, int i, __m512i v, Tile 
         }
         const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
         const int g = (i - 2) / 4, e = (i - 2) % 4; /* 16 bytes per group: low nibbles weights 32g + l, high 32g + 16 + l */
-        t->c[8 * g + e] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, n4));
-        t->c[8 * g + 4 + e] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32(v, 4), n4));
+        emit(t, f, 8 * g + e, _mm512_shuffle_epi8(table, _mm512_and_si512(v, n4)));
+        emit(t, f, 8 * g + 4 + e, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32(v, 4), n4)));
     }
 }
 
 /* Super-block b of a block kind (0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K) for 16 rows -> t, one transposed
  * span of 64 bytes at a time (Q6_K: its high pairs, the third span, first). */
-VNNI static inline ALWAYS void decode_blocks(const int kind, const uint8_t *const *rows, long b, Tile *t) {
+VNNI static inline ALWAYS void decode_blocks(const int kind, const uint8_t *const *rows, long b, Tile *t, Fuse *f) {
     const int bytes = super_bytes(kind), spans = (bytes + 63) / 64;
     __m512i keep[20];
-    for (int k = 0; k < spans; k++) {
+#pragma GCC unroll 4
+    for (int k = 0; k < spans; k++) { /* unrolled: every index below is a constant, the codes stay in registers */
         const int s = kind == 1 ? (k == 0 ? 2 : k <= 2 ? k - 1 : 3) : k;
         __m512i T[16];
         transpose16(rows, (long)b * bytes + 64 * s, bytes - 64 * s, T);
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++)
-            if (4 * j < bytes - 64 * s) put_dword(kind, 16 * s + j, T[j], t, keep); /* the dwords holding its bytes */
+            if (4 * j < bytes - 64 * s) put_dword(kind, 16 * s + j, T[j], t, f, keep); /* the dwords holding its bytes */
     }
 }
 
 /* Groups [8b, 8b + ng) of a q4 (16 bytes per group) or q8 (32 signed bytes) layout for 16 rows -> t,
  * with the rows' per-group scales and mins (fp32, G per row; mins may be NULL). */
 VNNI static inline ALWAYS void decode_layout(const int q8, const uint8_t *const *rows, const uint8_t *const *srows,
-                                             const uint8_t *const *mrows, long b, int ng, Tile *t) {
-    const int per = q8 ? 32 : 16, n = ng * per;
-    __m512i T[64];
-    for (int s = 0; 64 * s < n; s++) transpose16(rows, 8L * b * per + 64 * s, n - 64 * s, T + 16 * s);
+                                             const uint8_t *const *mrows, long b, int ng, Tile *t, Fuse *f) {
+    const int per = q8 ? 32 : 16, n = ng * per, gs = 64 / per; /* gs groups per transposed span */
     __m512i S[16];
     transpose16(srows, 32L * b, 4 * ng, S);
     for (int g = 0; g < ng; g++) t->sc[g] = _mm512_castsi512_ps(S[g]);
@@ -272,21 +297,24 @@ VNNI static inline ALWAYS void decode_layout(const int q8, const uint8_t *const 
         for (int g = 0; g < ng; g++) t->mn[g] = _mm512_castsi512_ps(S[g]);
     }
     const __m512i n4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
-    for (int g = 0; g < ng; g++) {
-        if (q8) /* signed codes + 128: unsigned for vpdpbusd (the 128 s32 offset takes it back) */
-            for (int e = 0; e < 8; e++) t->c[8 * g + e] = _mm512_xor_si512(T[8 * g + e], flip);
-        else /* 16 bytes: low nibbles weights 32g + l, high 32g + 16 + l */
-            for (int e = 0; e < 4; e++) {
-                t->c[8 * g + e] = _mm512_and_si512(T[4 * g + e], n4);
-                t->c[8 * g + 4 + e] = _mm512_and_si512(_mm512_srli_epi32(T[4 * g + e], 4), n4);
-            }
+#pragma GCC unroll 4
+    for (int s = 0; 64 * s < n; s++) { /* each span decoded as it is transposed */
+        __m512i T[16];
+        transpose16(rows, 8L * b * per + 64 * s, n - 64 * s, T);
+#pragma GCC unroll 4
+        for (int k = 0; k < gs; k++) {
+            const int g = gs * s + k;
+            if (g >= ng) break;
+            const __m512i *v = T + k * per / 4;
+            if (q8) /* signed codes + 128: unsigned for vpdpbusd (the 128 s32 offset takes it back) */
+                for (int e = 0; e < 8; e++) emit(t, f, 8 * g + e, _mm512_xor_si512(v[e], flip));
+            else /* 16 bytes: low nibbles weights 32g + l, high 32g + 16 + l */
+                for (int e = 0; e < 4; e++) {
+                    emit(t, f, 8 * g + e, _mm512_and_si512(v[e], n4));
+                    emit(t, f, 8 * g + 4 + e, _mm512_and_si512(_mm512_srli_epi32(v[e], 4), n4));
+                }
+        }
     }
-}
-
-VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in every lane */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
 }
 
 /* The integer dot of codes c[j0 .. j0 + n) with one item's activations at q (4n bytes), in two chains. */
@@ -300,16 +328,17 @@ VNNI static inline ALWAYS __m512i tile_dot(const Tile *t, int j0, const int n, c
 }
 
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
- * item i0 + i) += its contribution, in the float sequence the header states. */
-VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, int has_mins, const uint8_t *act, long K,
-                                          long b, int ng, float *acc, int i0, const int nb) {
+ * item i0 + i) += its contribution, in the float sequence the header states. With fz (nb = 1) the
+ * integer dots are already in fz: the same integers, so the same floats. */
+VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, const Fuse *fz, int has_mins, const uint8_t *act,
+                                          long K, long b, int ng, float *acc, int i0, const int nb) {
     __m512 s[IT];
     for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i);
     if (kind == 1) { /* Q6_K: per 16-chunk scales, offset 32 */
         for (int c = 0; c < 16; c++)
             for (int i = 0; i < nb; i++) {
                 const Act a = act_at(act, K, i0 + i);
-                __m512 f = _mm512_cvtepi32_ps(tile_dot(t, 4 * c, 4, a.q + 256 * b + 16 * c));
+                __m512 f = _mm512_cvtepi32_ps(fz ? fz->d[c] : tile_dot(t, 4 * c, 4, a.q + 256 * b + 16 * c));
                 f = _mm512_fnmadd_ps(_mm512_set1_ps(32.0f), _mm512_set1_ps(a.s16[16 * b + c]), f);
                 s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[c], _mm512_set1_ps(a.dx[8 * b + c / 2])), s[i]);
             }
@@ -319,7 +348,8 @@ VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, int has
         for (int g = 0; g < ng; g++)
             for (int i = 0; i < nb; i++) {
                 const Act a = act_at(act, K, i0 + i);
-                __m512 f = _mm512_cvtepi32_ps(tile_dot(t, 8 * g, 8, a.q + 256 * b + 32 * g));
+                __m512 f = _mm512_cvtepi32_ps(fz ? _mm512_add_epi32(fz->d[2 * g], fz->d[2 * g + 1])
+                                                 : tile_dot(t, 8 * g, 8, a.q + 256 * b + 32 * g));
                 if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_set1_ps(a.s32[8 * b + g]), f);
                 s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[g], _mm512_set1_ps(a.dx[8 * b + g])), s[i]);
                 if (has_mins) {
@@ -333,22 +363,53 @@ VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, int has
 
 VNNI static void items_pass(int kind, const Tile *t, int has_mins, const uint8_t *act, long K, long b, int ng,
                             float *acc, int i0, int nb) {
-    if (kind == 0) { NB_SWITCH(tile_items, 0, t, has_mins, act, K, b, ng, acc, i0) }
-    else if (kind == 1) { NB_SWITCH(tile_items, 1, t, has_mins, act, K, b, ng, acc, i0) }
-    else if (kind == 4) { NB_SWITCH(tile_items, 4, t, has_mins, act, K, b, ng, acc, i0) }
-    else if (kind == 5) { NB_SWITCH(tile_items, 5, t, has_mins, act, K, b, ng, acc, i0) }
-    else if (kind == LAYOUT_Q4) { NB_SWITCH(tile_items, LAYOUT_Q4, t, has_mins, act, K, b, ng, acc, i0) }
-    else { NB_SWITCH(tile_items, LAYOUT_Q8, t, has_mins, act, K, b, ng, acc, i0) }
+    if (kind == 0) { NB_SWITCH(tile_items, 0, t, NULL, has_mins, act, K, b, ng, acc, i0) }
+    else if (kind == 1) { NB_SWITCH(tile_items, 1, t, NULL, has_mins, act, K, b, ng, acc, i0) }
+    else if (kind == 4) { NB_SWITCH(tile_items, 4, t, NULL, has_mins, act, K, b, ng, acc, i0) }
+    else if (kind == 5) { NB_SWITCH(tile_items, 5, t, NULL, has_mins, act, K, b, ng, acc, i0) }
+    else if (kind == LAYOUT_Q4) { NB_SWITCH(tile_items, LAYOUT_Q4, t, NULL, has_mins, act, K, b, ng, acc, i0) }
+    else { NB_SWITCH(tile_items, LAYOUT_Q8, t, NULL, has_mins, act, K, b, ng, acc, i0) }
+}
+
+VNNI static inline ALWAYS void decode_kind(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
+                                           const uint8_t *const *mrows, long b, int ng, Tile *t, Fuse *f) {
+    if (kind >= LAYOUT_Q4) decode_layout(kind == LAYOUT_Q8, rows, srows, mrows, b, ng, t, f);
+    else decode_blocks(kind, rows, b, t, f);
 }
 
 VNNI static void decode_any(int kind, const uint8_t *const *rows, const uint8_t *const *srows,
                             const uint8_t *const *mrows, long b, int ng, Tile *t) {
-    if (kind == 0) decode_blocks(0, rows, b, t);
-    else if (kind == 1) decode_blocks(1, rows, b, t);
-    else if (kind == 4) decode_blocks(4, rows, b, t);
-    else if (kind == 5) decode_blocks(5, rows, b, t);
-    else if (kind == LAYOUT_Q4) decode_layout(0, rows, srows, mrows, b, ng, t);
-    else decode_layout(1, rows, srows, mrows, b, ng, t);
+    if (kind == 0) decode_kind(0, rows, srows, mrows, b, ng, t, NULL);
+    else if (kind == 1) decode_kind(1, rows, srows, mrows, b, ng, t, NULL);
+    else if (kind == 4) decode_kind(4, rows, srows, mrows, b, ng, t, NULL);
+    else if (kind == 5) decode_kind(5, rows, srows, mrows, b, ng, t, NULL);
+    else if (kind == LAYOUT_Q4) decode_kind(LAYOUT_Q4, rows, srows, mrows, b, ng, t, NULL);
+    else decode_kind(LAYOUT_Q8, rows, srows, mrows, b, ng, t, NULL);
+}
+
+/* A pass with one item (batch 1): decode straight into its dots, then its floats. */
+VNNI static inline ALWAYS void one_item_k(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
+                                          const uint8_t *const *mrows, long b, int ng, int has_mins, const uint8_t *act,
+                                          long K, float *acc, int item) {
+    Tile t;
+    Fuse f;
+    for (int k = 0; k < 16; k++) f.d[k] = _mm512_setzero_si512();
+    f.q = act_at(act, K, item).q + 256 * b;
+    decode_kind(kind, rows, srows, mrows, b, ng, &t, &f);
+    tile_items(kind, &t, &f, has_mins, act, K, b, ng, acc, item, 1);
+}
+
+VNNI static void one_item(int kind, const uint8_t *const *rows, const uint8_t *const *srows, const uint8_t *const *mrows,
+                          long b, int ng, int has_mins, const uint8_t *act, long K, float *acc, int item) {
+    if (kind >= LAYOUT_Q4 && ng == 8) { /* whole stretches with constant indices (the codes stay in registers) */
+        if (kind == LAYOUT_Q4) one_item_k(LAYOUT_Q4, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
+        else one_item_k(LAYOUT_Q8, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
+    } else if (kind == 0) one_item_k(0, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
+    else if (kind == 1) one_item_k(1, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
+    else if (kind == 4) one_item_k(4, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
+    else if (kind == 5) one_item_k(5, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
+    else if (kind == LAYOUT_Q4) one_item_k(LAYOUT_Q4, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
+    else one_item_k(LAYOUT_Q8, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
 }
 
 /* Part b of nblk of the n bytes at p, into L2. */
@@ -359,8 +420,8 @@ static inline void prefetch_part(const char *p, long n, long b, long nblk) {
 
 /* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks of CHUNK, each chunk meeting every
  * 16-row tile (tiles split among threads); within a tile, each super-block / stretch is decoded once
- * and meets the chunk's items IT at a time. A last partial tile repeats row N - 1 and stores only
- * its real rows. */
+ * and meets the chunk's items IT at a time (a chunk of one item: one_item). A last partial tile repeats
+ * row N - 1 and stores only its real rows. */
 VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, const float *mins, const uint8_t *act,
                            long K, int N, int B, float *out, int ld, int threads) {
     const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8;
@@ -388,6 +449,10 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                     prefetch_part((const char *)(codes + (16L * tile + 16) * row_bytes), rows_next * row_bytes, b, nblk);
                     if (layout) prefetch_part((const char *)(scale + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                     if (layout && mins) prefetch_part((const char *)(mins + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
+                }
+                if (nc == 1) {
+                    one_item(kind, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, K, acc, c0);
+                    continue;
                 }
                 decode_any(kind, rows, srows, mins ? mrows : NULL, b, ng, &t);
                 for (int i0 = 0; i0 < nc; i0 += IT)
