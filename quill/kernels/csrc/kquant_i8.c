@@ -401,15 +401,16 @@ VNNI static inline ALWAYS void one_item_k(const int kind, const uint8_t *const *
 
 VNNI static void one_item(int kind, const uint8_t *const *rows, const uint8_t *const *srows, const uint8_t *const *mrows,
                           long b, int ng, int has_mins, const uint8_t *act, long K, float *acc, int item) {
-    if (kind >= LAYOUT_Q4 && ng == 8) { /* whole stretches with constant indices (the codes stay in registers) */
-        if (kind == LAYOUT_Q4) one_item_k(LAYOUT_Q4, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
-        else one_item_k(LAYOUT_Q8, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
-    } else if (kind == 0) one_item_k(0, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
-    else if (kind == 1) one_item_k(1, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
-    else if (kind == 4) one_item_k(4, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
-    else if (kind == 5) one_item_k(5, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
-    else if (kind == LAYOUT_Q4) one_item_k(LAYOUT_Q4, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
-    else one_item_k(LAYOUT_Q8, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
+    /* ng a constant wherever it is 8 (every block, every whole stretch): the indices stay constants */
+    if (ng < 8) { /* a layout's last, shorter stretch */
+        if (kind == LAYOUT_Q4) one_item_k(LAYOUT_Q4, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
+        else one_item_k(LAYOUT_Q8, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
+    } else if (kind == 0) one_item_k(0, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
+    else if (kind == 1) one_item_k(1, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
+    else if (kind == 4) one_item_k(4, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
+    else if (kind == 5) one_item_k(5, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
+    else if (kind == LAYOUT_Q4) one_item_k(LAYOUT_Q4, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
+    else one_item_k(LAYOUT_Q8, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
 }
 
 /* Part b of nblk of the n bytes at p, into L2. */
