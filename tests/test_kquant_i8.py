@@ -41,6 +41,15 @@ def rounded(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(g * inv[..., None]).astype(np.int8).reshape(B, K), d
 
 
+def fp64_product(lin: PackedLinear, x: torch.Tensor) -> np.ndarray:
+    """x rounded as the kernels round it, times the dequantized weight, in fp64: what an int8 kernel's
+    rows must equal within fp32 summation error."""
+    B, K = x.shape
+    q, d = rounded(x.numpy())
+    xq = (q.reshape(B, K // 32, 32).astype(np.float64) * d[..., None]).reshape(B, K)
+    return xq @ lin.weight.dequantize().double().numpy().T
+
+
 def activations(B: int, K: int, seed: int = 0) -> torch.Tensor:
     x = torch.randn(B, K, generator=torch.Generator().manual_seed(seed))
     x[:, 3] *= 30  # an outlier channel, as real activations have
@@ -88,9 +97,7 @@ def test_gemv_matches_fp64_on_rounded_activations(name, K, B, isa):
     x = activations(B, K)
     with use_kernel_options(int8(isa)):
         got = lin(x).double().numpy()
-    q, d = rounded(x.numpy())
-    xq = (q.reshape(B, K // 32, 32).astype(np.float64) * d[..., None]).reshape(B, K)
-    want = xq @ lin.weight.dequantize().double().numpy().T
+    want = fp64_product(lin, x)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # and the rounding is real: the exact path differs
     with use_kernel_options(KernelOptions(isa=isa, threads=2)):
@@ -116,9 +123,7 @@ def test_fewer_rows_than_a_tile(name, N, isa):
         got = lin(x)
     assert (out[:, N:] == 7.0).all() and torch.equal(out[:, :N], got)
     got = got.double().numpy()
-    q, d = rounded(x.numpy())
-    xq = (q.reshape(3, K // 32, 32).astype(np.float64) * d[..., None]).reshape(3, K)
-    want = xq @ lin.weight.dequantize().double().numpy().T
+    want = fp64_product(lin, x)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
