@@ -7,7 +7,9 @@ test_kquant_i8.py checks it against the fp64 product):
 - each format's lane-wise decode (put_dword, decode_layout) turns the transposed bytes of 16 rows into
   codes and per-lane scales that give back gguf-py's dequantized weights exactly;
 - the integer dots of those codes with broadcast activations, minus the format's offset, scaled per
-  group as the kernel does, give the fp64 product of the weights with the rounded activations.
+  group as the kernel does, give the fp64 product of the weights with the rounded activations;
+- the exact path on the same tiles (fp32 activations): the codes as fp32 lanes, signed where the format's
+  weights are, give gguf-py's weights, and the kernel's float sequence gives the fp64 product.
 """
 
 from __future__ import annotations
@@ -212,6 +214,62 @@ def test_lane_dots_give_the_product(kind):
                 got -= mn[u] * dx[k0 // 32] * s32[k0 // 32]
     want = ref_w @ (q.reshape(-1, 32) * dx[:, None].astype(np.float64)).reshape(-1)
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+# ---- the exact path on the same tiles (quill_gemv_tiles_f32): fp32 codes, fp32 activations ----
+
+SGN = {"Q4_K": 0, "Q5_K": 0, "Q6_K": 1, "IQ4_XS": 2}  # kquant_i8.c's SGN(kind)
+
+
+def fp32_codes(codes: np.ndarray, sgn: int) -> np.ndarray:
+    """signed_codes then code_f32 on the registers holding the tile's codes (16, 256): lane r of register j
+    holds bytes 4j..4j+3 of row r; byte b comes out as an fp32 lane, sign-extended after the format's
+    offset is taken off in bytes (vpsubb 32 wraps, vpxord 0x80), or zero-extended."""
+    regs = codes.astype(np.uint8)
+    if sgn == 1:
+        regs = regs - np.uint8(32)
+    elif sgn == 2:
+        regs = regs ^ np.uint8(0x80)
+    v = np.ascontiguousarray(regs).view(np.uint32).reshape(16, 64)
+    out = np.empty((16, 64, 4), np.float32)
+    for b in range(4):
+        if sgn:  # _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 b), 24)
+            out[..., b] = (v << np.uint32(24 - 8 * b)).view(np.int32) >> 24
+        else:  # (v >> 8 b) & 255, b = 3: v >> 24
+            out[..., b] = (v >> np.uint32(8 * b)) & np.uint32(M8)
+    return out.reshape(16, 256)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_fp32_lanes_give_ggufs_weights_and_the_product(kind):
+    """The exact path's arithmetic on the emulated tile: the codes as fp32 lanes times the lane scales (minus
+    the mins) are gguf-py's weights bit for bit, and the kernel's sequence -- per 16-weight chunk a float32
+    dot of codes and x, per group (Q6_K: per chunk) the scale times the chunk dots' sum, then min times the
+    group's sum of x -- gives the fp64 product of those weights with x (x is never rounded)."""
+    K = 512
+    raw = random_blocks(kind, 16, K, np.random.default_rng(8))
+    ref_w = quants.dequantize(raw, Q[kind]).reshape(16, K)
+    x = np.random.default_rng(9).standard_normal(K).astype(np.float32)
+    x[11] *= 40
+    size, got = BLOCK_BYTES[kind], np.zeros(16, np.float32)
+    f32 = np.float32
+    for b in range(K // 256):
+        codes, sc, mn, _ = decode_block(kind, transposed_dwords(raw[:, b * size:(b + 1) * size]))
+        f = fp32_codes(codes, SGN[kind])
+        per = 16 if kind == "Q6_K" else 32
+        w = sc[np.repeat(np.arange(256 // per), per)].T * f
+        if mn is not None:
+            w = w - mn[np.repeat(np.arange(8), 32)].T
+        np.testing.assert_array_equal(w, ref_w[:, 256 * b:256 * (b + 1)])
+        xb = x[256 * b:256 * (b + 1)]
+        dots = [(f[:, 16 * c:16 * (c + 1)] * xb[16 * c:16 * (c + 1)]).sum(1, dtype=f32) for c in range(16)]
+        for u in range(256 // per):
+            dot = dots[u] if per == 16 else dots[2 * u] + dots[2 * u + 1]
+            got = (got + dot * sc[u]).astype(f32)
+            if mn is not None:
+                got = (got - mn[u] * xb[32 * u:32 * (u + 1)].sum(dtype=f32)).astype(f32)
+    want = ref_w.astype(np.float64) @ x.astype(np.float64)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q5_1"])

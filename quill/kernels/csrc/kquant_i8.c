@@ -3,7 +3,9 @@
  * so four weights times four activations are one lane of an integer dot-product instruction
  * (AVX-512 VNNI vpdpbusd; AVX2 rows without VNNI: vpmaddubsw and vpmaddwd, further below) instead of
  * four fp32 FMAs. This is the one place where quill rounds anything beyond the file's own
- * quantization; the exact fp32 kernels stay the default.
+ * quantization; the exact fp32 kernels stay the default. On VNNI CPUs the exact path of the block
+ * kinds runs on the same tiles with fp32 activations (quill_gemv_tiles_f32, at the end of the VNNI
+ * part): the decode is shared, the dots are FMAs, and nothing is rounded there.
  *
  * Activations (quill_act8_quantize): for each item and each group g of 32 inputs,
  *   dx[g] = max|x| / 127,  q = round-to-nearest-even(x * (1 / dx[g])) in -127..127,
@@ -139,9 +141,15 @@ typedef struct {
 /* One item meeting the tile as it is decoded (a pass with a single item: nothing to reuse, so the codes
  * go straight into its dots instead of through memory): d[k] lane r = row r's integer dot over codes
  * c[4k .. 4k + 4) with the item's activations q (the block's 256). */
+#define NF 4 /* items a fused pass with fp32 activations takes (more: slower, and a larger build) */
 typedef struct {
     __m512i d[16];
     const int8_t *q;
+    /* fp32 activations (quill_gemv_tiles_f32; fp and sgn compile-time constants wherever a Fuse is made):
+     * fd[k] lane r = row r's fp32 dot over weights 16k .. 16k + 16 with the item's x (the block's 256) */
+    int fp, sgn, nf; /* nf items (at most NF), fused */
+    __m512 fd[NF][16];
+    const float *x[NF];
 } Fuse;
 
 VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in every lane */
@@ -150,10 +158,32 @@ VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in ever
     return _mm512_set1_epi32(v);
 }
 
-/* Codes c[j] of the tile: kept for the items of a pass, or (f) dotted at once with f's item. */
+/* The exact path's codes: each format's unsigned codes made signed where its weights are (sgn 1: Q6_K's
+ * q - 32; sgn 2: IQ4_XS's table values, stored + 128), or left unsigned (0: Q4_K, Q5_K). */
+VNNI static inline ALWAYS __m512i signed_codes(__m512i v, const int sgn) {
+    return sgn == 1 ? _mm512_sub_epi8(v, _mm512_set1_epi8(32)) : sgn == 2 ? _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)) : v;
+}
+
+/* Byte b of each lane of (signed_codes') v as fp32: weight 4j + b of the lane's row, for c[j]. */
+VNNI static inline ALWAYS __m512 code_f32(__m512i v, const int b, const int sgn) {
+    if (sgn) return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24));
+    return _mm512_cvtepi32_ps(b == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(255)));
+}
+
+/* Codes c[j] of the tile: kept for the items of a pass, or (f) dotted at once with f's item: vpdpbusd
+ * with its int8 activations, or (fp) four FMAs with its fp32 ones, in the order of the weights. */
 VNNI static inline ALWAYS void emit(Tile *t, Fuse *f, int j, __m512i v) {
-    if (f) f->d[j / 4] = _mm512_dpbusd_epi32(f->d[j / 4], v, bcast4(f->q + 4 * j));
-    else t->c[j] = v;
+    if (!f) {
+        t->c[j] = v;
+    } else if (f->fp) {
+        v = signed_codes(v, f->sgn);
+        for (int b = 0; b < 4; b++) {
+            const __m512 w = code_f32(v, b, f->sgn);
+            for (int i = 0; i < f->nf; i++) f->fd[i][j / 4] = _mm512_fmadd_ps(w, _mm512_set1_ps(f->x[i][4 * j + b]), f->fd[i][j / 4]);
+        }
+    } else {
+        f->d[j / 4] = _mm512_dpbusd_epi32(f->d[j / 4], v, bcast4(f->q + 4 * j));
+    }
 }
 
 /* out[j] lane r = dword j of the n bytes at rows[r] (n <= 64; dwords past n read as zero). A 16 x 16
@@ -361,14 +391,90 @@ VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, const F
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
 }
 
+/* F(k, ...) with the kind a constant k, so the inlined loops keep no kind test. */
+#define KIND_CONST(F, kind, ...)                                                                     \
+    do {                                                                                             \
+        if ((kind) == 0) { F(0, __VA_ARGS__); }                                                      \
+        else if ((kind) == 1) { F(1, __VA_ARGS__); }                                                 \
+        else if ((kind) == 4) { F(4, __VA_ARGS__); }                                                 \
+        else if ((kind) == 5) { F(5, __VA_ARGS__); }                                                 \
+        else if ((kind) == LAYOUT_Q4) { F(LAYOUT_Q4, __VA_ARGS__); }                                 \
+        else { F(LAYOUT_Q8, __VA_ARGS__); }                                                          \
+    } while (0)
+
+/* F(k, ...) for the block kinds alone (what the fp32 activations' tiles take) */
+#define BLOCK_CONST(F, kind, ...)                                                                    \
+    do {                                                                                             \
+        if ((kind) == 0) { F(0, __VA_ARGS__); }                                                      \
+        else if ((kind) == 1) { F(1, __VA_ARGS__); }                                                 \
+        else if ((kind) == 4) { F(4, __VA_ARGS__); }                                                 \
+        else { F(5, __VA_ARGS__); }                                                                  \
+    } while (0)
+
+#define ITEMS_NB(k, ...) NB_SWITCH(tile_items, k, __VA_ARGS__)
 VNNI static void items_pass(int kind, const Tile *t, int has_mins, const uint8_t *act, long K, long b, int ng,
                             float *acc, int i0, int nb) {
-    if (kind == 0) { NB_SWITCH(tile_items, 0, t, NULL, has_mins, act, K, b, ng, acc, i0) }
-    else if (kind == 1) { NB_SWITCH(tile_items, 1, t, NULL, has_mins, act, K, b, ng, acc, i0) }
-    else if (kind == 4) { NB_SWITCH(tile_items, 4, t, NULL, has_mins, act, K, b, ng, acc, i0) }
-    else if (kind == 5) { NB_SWITCH(tile_items, 5, t, NULL, has_mins, act, K, b, ng, acc, i0) }
-    else if (kind == LAYOUT_Q4) { NB_SWITCH(tile_items, LAYOUT_Q4, t, NULL, has_mins, act, K, b, ng, acc, i0) }
-    else { NB_SWITCH(tile_items, LAYOUT_Q8, t, NULL, has_mins, act, K, b, ng, acc, i0) }
+    KIND_CONST(ITEMS_NB, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
+}
+
+/* ---- Exact fp32 activations on the same tiles (quill_gemv_tiles_f32: kquant.c's GEMV of the block kinds
+ * with isa 512 on a VNNI CPU). The decoded codes become fp32 (SGN: signed where the format's weights are),
+ * so weight = scale * code - min is the file's own, and x is never rounded. Per (row, item) and 16-weight
+ * chunk c, the dot d_c = sum over the chunk's weights in order of code * x (FMAs from zero); then per group
+ * (Q6_K: per chunk) one FMA of the scale times the dot (d_2g + d_2g+1), and for Q4_K / Q5_K one of the min
+ * times the group's sum of x. The same sequence at any batch: a fused pass of 1-NF items (the decoded
+ * registers go straight into their FMAs, as in the int8 path) and a tile of items give the same bits. */
+
+#define SGN(kind) ((kind) == 1 ? 1 : (kind) == 4 ? 2 : 0)
+#define FCHUNK 16 /* items per pass over the weights: their fp32 rows stay in L2 */
+
+/* The decoded tile's first nj code registers as fp32: F[k] lane r = row r's code k. */
+VNNI static inline ALWAYS void tile_floats(const Tile *t, int nj, const int sgn, __m512 *F) {
+    for (int j = 0; j < nj; j++) {
+        const __m512i v = signed_codes(t->c[j], sgn);
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) F[4 * j + b] = code_f32(v, b, sgn);
+    }
+}
+
+/* Items [i0, i0 + nb) (fp32 rows of x, K apart; xs: each item's K / 32 group sums) meet the tile of
+ * super-block b: F holds its codes as fp32, or (fz, a fused pass) their chunk dots are already made. */
+VNNI static inline ALWAYS void ftile_items(const int kind, const Tile *t, const __m512 *F, const Fuse *fz, int has_mins,
+                                           const float *x, const float *xs, long K, long b, int ng, float *acc,
+                                           int i0, const int nb) {
+    const int chunks = kind == 1 ? 16 : 2 * ng;
+    __m512 s[IT], prev[IT];
+    for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i), prev[i] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; c++) {
+        __m512 d[IT];
+        if (fz) {
+            for (int i = 0; i < nb; i++) d[i] = fz->fd[i][c];
+        } else {
+            for (int i = 0; i < nb; i++) d[i] = _mm512_setzero_ps();
+            for (int k = 16 * c; k < 16 * c + 16; k++)
+                for (int i = 0; i < nb; i++)
+                    d[i] = _mm512_fmadd_ps(F[k], _mm512_set1_ps(x[(long)(i0 + i) * K + 256 * b + k]), d[i]);
+        }
+        for (int i = 0; i < nb; i++) {
+            if (kind == 1) {
+                s[i] = _mm512_fmadd_ps(d[i], t->sc[c], s[i]);
+            } else if (c % 2 == 0) {
+                prev[i] = d[i];
+            } else {
+                const int g = c / 2;
+                s[i] = _mm512_fmadd_ps(_mm512_add_ps(prev[i], d[i]), t->sc[g], s[i]);
+                if (has_mins) /* Q4_K, Q5_K */
+                    s[i] = _mm512_fnmadd_ps(t->mn[g], _mm512_set1_ps(xs[(long)(i0 + i) * (K / 32) + 8 * b + g]), s[i]);
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
+}
+
+#define FITEMS_NB(k, ...) NB_SWITCH(ftile_items, k, __VA_ARGS__)
+VNNI static void fitems_pass(int kind, const Tile *t, const __m512 *F, int has_mins, const float *x, const float *xs,
+                             long K, long b, int ng, float *acc, int i0, int nb) {
+    BLOCK_CONST(FITEMS_NB, kind, t, F, NULL, has_mins, x, xs, K, b, ng, acc, i0);
 }
 
 VNNI static inline ALWAYS void decode_kind(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
@@ -379,38 +485,48 @@ VNNI static inline ALWAYS void decode_kind(const int kind, const uint8_t *const 
 
 VNNI static void decode_any(int kind, const uint8_t *const *rows, const uint8_t *const *srows,
                             const uint8_t *const *mrows, long b, int ng, Tile *t) {
-    if (kind == 0) decode_kind(0, rows, srows, mrows, b, ng, t, NULL);
-    else if (kind == 1) decode_kind(1, rows, srows, mrows, b, ng, t, NULL);
-    else if (kind == 4) decode_kind(4, rows, srows, mrows, b, ng, t, NULL);
-    else if (kind == 5) decode_kind(5, rows, srows, mrows, b, ng, t, NULL);
-    else if (kind == LAYOUT_Q4) decode_kind(LAYOUT_Q4, rows, srows, mrows, b, ng, t, NULL);
-    else decode_kind(LAYOUT_Q8, rows, srows, mrows, b, ng, t, NULL);
+    KIND_CONST(decode_kind, kind, rows, srows, mrows, b, ng, t, NULL);
 }
 
-/* A pass with one item (batch 1): decode straight into its dots, then its floats. */
+/* A fused pass (batch 1; with fp32 activations x, xs, 1-NF items): decode straight into the items' dots,
+ * then their floats. */
 VNNI static inline ALWAYS void one_item_k(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
                                           const uint8_t *const *mrows, long b, int ng, int has_mins, const uint8_t *act,
-                                          long K, float *acc, int item) {
+                                          const float *x, const float *xs, long K, float *acc, int item, const int fp,
+                                          const int nf) {
     Tile t;
     Fuse f;
-    for (int k = 0; k < 16; k++) f.d[k] = _mm512_setzero_si512();
-    f.q = act_at(act, K, item).q + 256 * b;
+    f.fp = fp;
+    f.sgn = SGN(kind);
+    f.nf = nf;
+    for (int k = 0; k < 16; k++) {
+        if (fp) for (int i = 0; i < nf; i++) f.fd[i][k] = _mm512_setzero_ps();
+        else f.d[k] = _mm512_setzero_si512();
+    }
+    if (fp) for (int i = 0; i < nf; i++) f.x[i] = x + (long)(item + i) * K + 256 * b;
+    else f.q = act_at(act, K, item).q + 256 * b;
     decode_kind(kind, rows, srows, mrows, b, ng, &t, &f);
-    tile_items(kind, &t, &f, has_mins, act, K, b, ng, acc, item, 1);
+    if (fp) ftile_items(kind, &t, NULL, &f, has_mins, x, xs, K, b, ng, acc, item, nf);
+    else tile_items(kind, &t, &f, has_mins, act, K, b, ng, acc, item, 1);
 }
 
+#define ONE_ITEM_NG8(k, ...) one_item_k(k, rows, srows, mrows, b, 8, __VA_ARGS__)
+/* Items [item, item + n) in one fused pass: n = 1 with int8 activations (x NULL); with fp32 ones, a
+ * block kind's 1 to NF items. */
 VNNI static void one_item(int kind, const uint8_t *const *rows, const uint8_t *const *srows, const uint8_t *const *mrows,
-                          long b, int ng, int has_mins, const uint8_t *act, long K, float *acc, int item) {
+                          long b, int ng, int has_mins, const uint8_t *act, const float *x, const float *xs, long K,
+                          float *acc, int item, int n) {
     /* ng a constant wherever it is 8 (every block, every whole stretch): the indices stay constants */
-    if (ng < 8) { /* a layout's last, shorter stretch */
-        if (kind == LAYOUT_Q4) one_item_k(LAYOUT_Q4, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
-        else one_item_k(LAYOUT_Q8, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
-    } else if (kind == 0) one_item_k(0, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
-    else if (kind == 1) one_item_k(1, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
-    else if (kind == 4) one_item_k(4, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
-    else if (kind == 5) one_item_k(5, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
-    else if (kind == LAYOUT_Q4) one_item_k(LAYOUT_Q4, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
-    else one_item_k(LAYOUT_Q8, rows, srows, mrows, b, 8, has_mins, act, K, acc, item);
+    if (x && n == 1) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 1, 1);
+    else if (x && n == 2) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 1, 2);
+    else if (x && n == 3) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 1, 3);
+    else if (x) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 1, 4);
+    else if (ng < 8 && kind == LAYOUT_Q4) /* a layout's last, shorter stretch */
+        one_item_k(LAYOUT_Q4, rows, srows, mrows, b, ng, has_mins, act, x, xs, K, acc, item, 0, 1);
+    else if (ng < 8)
+        one_item_k(LAYOUT_Q8, rows, srows, mrows, b, ng, has_mins, act, x, xs, K, acc, item, 0, 1);
+    else
+        KIND_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 0, 1);
 }
 
 /* Part b of nblk of the n bytes at p, into L2. */
@@ -422,14 +538,15 @@ static inline void prefetch_part(const char *p, long n, long b, long nblk) {
 /* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks of CHUNK, each chunk meeting every
  * 16-row tile (tiles split among threads); within a tile, each super-block / stretch is decoded once
  * and meets the chunk's items IT at a time (a chunk of one item: one_item). A last partial tile repeats
- * row N - 1 and stores only its real rows. */
+ * row N - 1 and stores only its real rows. With fp32 activations (x, xs; act NULL): chunks of FCHUNK,
+ * a chunk of up to NF items fused (one_item), larger ones through the tile's codes as fp32 (F). */
 VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, const float *mins, const uint8_t *act,
-                           long K, int N, int B, float *out, int ld, int threads) {
-    const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8;
+                           const float *x, const float *xs, long K, int N, int B, float *out, int ld, int threads) {
+    const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8, per_pass = x ? FCHUNK : CHUNK;
     const long row_bytes = layout ? (long)G * (kind == LAYOUT_Q8 ? 32 : 16) : (long)(K / 256) * super_bytes(kind);
     const int tiles = (N + 15) / 16, has_mins = layout ? mins != NULL : kind == 0 || kind == 5;
-    for (int c0 = 0; c0 < B; c0 += CHUNK) {
-        const int nc = B - c0 < CHUNK ? B - c0 : CHUNK;
+    for (int c0 = 0; c0 < B; c0 += per_pass) {
+        const int nc = B - c0 < per_pass ? B - c0 : per_pass;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
         for (int tile = 0; tile < tiles; tile++) {
             const uint8_t *rows[16], *srows[16], *mrows[16];
@@ -440,6 +557,7 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                 mrows[r] = layout && mins ? (const uint8_t *)(mins + n * G) : NULL;
             }
             Tile t;
+            __m512 F[256]; /* the exact path's codes as fp32 (tile_floats) */
             float acc[CHUNK * 16] __attribute__((aligned(64)));
             memset(acc, 0, sizeof(float) * 16 * nc);
             for (long b = 0; b < nblk; b++) {
@@ -451,13 +569,17 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                     if (layout) prefetch_part((const char *)(scale + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                     if (layout && mins) prefetch_part((const char *)(mins + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                 }
-                if (nc == 1) {
-                    one_item(kind, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, K, acc, c0);
+                if (nc <= (x ? NF : 1)) {
+                    one_item(kind, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, x, xs, K, acc, c0, nc);
                     continue;
                 }
                 decode_any(kind, rows, srows, mins ? mrows : NULL, b, ng, &t);
-                for (int i0 = 0; i0 < nc; i0 += IT)
-                    items_pass(kind, &t, has_mins, act, K, b, ng, acc + 16 * i0, c0 + i0, nc - i0 < IT ? nc - i0 : IT);
+                if (x) tile_floats(&t, 64, SGN(kind), F);
+                for (int i0 = 0; i0 < nc; i0 += IT) {
+                    const int nb = nc - i0 < IT ? nc - i0 : IT;
+                    if (x) fitems_pass(kind, &t, F, has_mins, x, xs, K, b, ng, acc + 16 * i0, c0 + i0, nb);
+                    else items_pass(kind, &t, has_mins, act, K, b, ng, acc + 16 * i0, c0 + i0, nb);
+                }
             }
             const int real = N - 16 * tile < 16 ? N - 16 * tile : 16;
             const __mmask16 keep = (__mmask16)((1u << real) - 1);
@@ -652,7 +774,7 @@ int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const floa
     if (!quill_i8_supported(kind) || K % (kind >= LAYOUT_Q4 ? 32 : 256)) return -1;
     quill_act8_quantize(x, act, B, K, threads);
     if (isa >= 512 && quill_hw_vnni()) {
-        tile_gemm(kind, codes, scale, mins, act, K, N, B, out, ld, threads);
+        tile_gemm(kind, codes, scale, mins, act, NULL, NULL, K, N, B, out, ld, threads);
         return 0;
     }
     const int runs = (N + ROWS - 1) / ROWS;
@@ -671,5 +793,20 @@ int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const floa
             }
         }
     }
+    return 0;
+}
+
+void quill_group_sums(const float *x, float *xs, int B, int G); /* quant_gemv.c */
+
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T with x in fp32, never rounded (the exact path), on the VNNI
+ * CPUs' tiles above, for W in the block kinds 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K (K a multiple of 256).
+ * xs: scratch of B * K / 32 floats (the group sums the mins need). Returns 0, or -1 (nothing written)
+ * where this CPU or the kind has no tile kernel, for kquant.c to run its rows. The q4 / q8 layouts keep
+ * their rows (quant_gemv.c): there a fused pass of one item took 1.3-1.5x their time. */
+int quill_gemv_tiles_f32(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B,
+                         int ld, int threads) {
+    if (!quill_hw_vnni() || !(kind == 0 || kind == 1 || kind == 4 || kind == 5) || K % 256) return -1;
+    if (kind == 0 || kind == 5) quill_group_sums(x, xs, B, K / 32);
+    tile_gemm(kind, blocks, NULL, NULL, NULL, x, xs, K, N, B, out, ld, threads);
     return 0;
 }
