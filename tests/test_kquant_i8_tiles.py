@@ -218,26 +218,44 @@ def test_lane_dots_give_the_product(kind):
 
 # ---- the exact path on the same tiles (quill_gemv_tiles_f32): fp32 codes, fp32 activations ----
 
-SGN = {"Q4_K": 0, "Q5_K": 0, "Q6_K": 1, "IQ4_XS": 2}  # kquant_i8.c's SGN(kind)
-
-
-def fp32_codes(codes: np.ndarray, sgn: int) -> np.ndarray:
-    """signed_codes then code_f32 on the registers holding the tile's codes (16, 256): lane r of register j
-    holds bytes 4j..4j+3 of row r; byte b comes out as an fp32 lane, sign-extended after the format's
-    offset is taken off in bytes (vpsubb 32 wraps, vpxord 0x80), or zero-extended."""
+def fp32_codes(kind: str, codes: np.ndarray) -> np.ndarray:
+    """The tile's codes (16, 256) as fp32 lanes, both ways the kernel makes them (asserted equal): lane r of
+    register j holds bytes 4j..4j+3 of row r, byte b becomes one fp32 lane.
+    - code_f32 (tiles): the offset taken off in bytes (Q6_K: vpsubb 32 wraps; IQ4_XS: vpxord 0x80), then
+      sign-extended (slli, srai), or zero-extended (Q4_K, Q5_K), and converted;
+    - fused_code_f32 (fused passes): a permute of a table by the lane's low bits after a shift, the rest of
+      the lane ignored -- Q4_K's nibbles (16 entries; its in-place high nibbles, registers j % 16 >= 8,
+      shifted 4 more into a table of 16 times the code), Q5_K's 5-bit codes (32 entries), IQ4_XS's table
+      on the 4-bit indices."""
+    u32 = np.uint32
     regs = codes.astype(np.uint8)
-    if sgn == 1:
+    if kind == "Q6_K":
         regs = regs - np.uint8(32)
-    elif sgn == 2:
+    elif kind == "IQ4_XS":
         regs = regs ^ np.uint8(0x80)
-    v = np.ascontiguousarray(regs).view(np.uint32).reshape(16, 64)
+    v = np.ascontiguousarray(regs).view(u32).reshape(16, 64)
     out = np.empty((16, 64, 4), np.float32)
     for b in range(4):
-        if sgn:  # _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 b), 24)
-            out[..., b] = (v << np.uint32(24 - 8 * b)).view(np.int32) >> 24
-        else:  # (v >> 8 b) & 255, b = 3: v >> 24
-            out[..., b] = (v >> np.uint32(8 * b)) & np.uint32(M8)
-    return out.reshape(16, 256)
+        if kind in ("Q6_K", "IQ4_XS"):  # _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 b), 24)
+            out[..., b] = (v << u32(24 - 8 * b)).view(np.int32) >> 24
+        else:
+            out[..., b] = (v >> u32(8 * b)) & u32(M8)
+    out = out.reshape(16, 256)
+    table, high = np.arange(32, dtype=np.float32), np.repeat(np.arange(64) % 16 >= 8, 4)[None, :]
+    raw = np.ascontiguousarray(codes.astype(np.uint8)).view(u32).reshape(16, 64)
+    at = np.stack([raw >> u32(8 * b) for b in range(4)], -1).reshape(16, 256)  # byte b moved to bits 0-7
+    if kind == "Q4_K":  # _mm512_permutexvar_ps: index bits 0-3
+        fused = np.where(high, 16 * table[(at >> u32(4)) & u32(15)], table[at & u32(15)])
+    elif kind == "Q5_K":  # _mm512_permutex2var_ps: index bits 0-4
+        fused = table[at & u32(31)]
+    elif kind == "IQ4_XS":  # the table on the indices put_dword hands the fused pass
+        index = np.searchsorted(IQ4 + 128, codes)
+        assert ((IQ4 + 128)[index] == codes).all()
+        fused = IQ4[index].astype(np.float32)
+    else:
+        fused = out
+    np.testing.assert_array_equal(fused, out)
+    return out
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
@@ -255,7 +273,7 @@ def test_fp32_lanes_give_ggufs_weights_and_the_product(kind):
     f32 = np.float32
     for b in range(K // 256):
         codes, sc, mn, _ = decode_block(kind, transposed_dwords(raw[:, b * size:(b + 1) * size]))
-        f = fp32_codes(codes, SGN[kind])
+        f = fp32_codes(kind, codes)
         per = 16 if kind == "Q6_K" else 32
         w = sc[np.repeat(np.arange(256 // per), per)].T * f
         if mn is not None:

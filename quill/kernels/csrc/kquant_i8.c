@@ -145,9 +145,9 @@ typedef struct {
 typedef struct {
     __m512i d[16];
     const int8_t *q;
-    /* fp32 activations (quill_gemv_tiles_f32; fp and sgn compile-time constants wherever a Fuse is made):
+    /* fp32 activations (quill_gemv_tiles_f32; fp, kind and nf compile-time constants wherever a Fuse is made):
      * fd[k] lane r = row r's fp32 dot over weights 16k .. 16k + 16 with the item's x (the block's 256) */
-    int fp, sgn, nf; /* nf items (at most NF), fused */
+    int fp, kind, nf; /* nf items (at most NF), fused */
     __m512 fd[NF][16];
     const float *x[NF];
 } Fuse;
@@ -158,16 +158,35 @@ VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in ever
     return _mm512_set1_epi32(v);
 }
 
-/* The exact path's codes: each format's unsigned codes made signed where its weights are (sgn 1: Q6_K's
- * q - 32; sgn 2: IQ4_XS's table values, stored + 128), or left unsigned (0: Q4_K, Q5_K). */
+/* The exact path's codes (fp32 activations), byte b of each lane of c[j] as fp32: weight 4j + b of the
+ * lane's row, the format's own code. Made signed where the weights are (sgn 1: Q6_K's q - 32, a byte
+ * subtraction; sgn 2: IQ4_XS's table value, stored + 128, a flipped top bit), then converted. */
+#define SGN(kind) ((kind) == 1 ? 1 : (kind) == 4 ? 2 : 0)
 VNNI static inline ALWAYS __m512i signed_codes(__m512i v, const int sgn) {
     return sgn == 1 ? _mm512_sub_epi8(v, _mm512_set1_epi8(32)) : sgn == 2 ? _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)) : v;
 }
-
-/* Byte b of each lane of (signed_codes') v as fp32: weight 4j + b of the lane's row, for c[j]. */
 VNNI static inline ALWAYS __m512 code_f32(__m512i v, const int b, const int sgn) {
     if (sgn) return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24));
     return _mm512_cvtepi32_ps(b == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(255)));
+}
+
+/* The same value in a fused pass (j a constant): where a code fits a table, one permute by the byte's low
+ * bits (it ignores the rest of the lane) gives it, with no convert to share the FMAs' pipes: Q4_K's
+ * nibbles (c[j], j % 16 < 8) and its high nibbles kept in place (16 times the code, bits 4-7), Q5_K's
+ * 5-bit codes, IQ4_XS's table values (put_dword hands this pass the 4-bit indices). Q6_K converts. */
+VNNI static inline ALWAYS __m512 fused_code_f32(const int kind, const int j, __m512i v, const int b) {
+    const __m512i at = b ? _mm512_srli_epi32(v, 8 * b) : v;
+    if (kind == 0 && j % 16 < 8)
+        return _mm512_permutexvar_ps(at, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    if (kind == 0)
+        return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * b + 4), _mm512_setr_ps(0, 16, 32, 48, 64, 80, 96, 112, 128, 144,
+                                                                                     160, 176, 192, 208, 224, 240));
+    if (kind == 5)
+        return _mm512_permutex2var_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), at,
+                                      _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31));
+    if (kind == 4)
+        return _mm512_permutexvar_ps(at, _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    return code_f32(signed_codes(v, SGN(kind)), b, SGN(kind));
 }
 
 /* Codes c[j] of the tile: kept for the items of a pass, or (f) dotted at once with f's item: vpdpbusd
@@ -176,9 +195,8 @@ VNNI static inline ALWAYS void emit(Tile *t, Fuse *f, int j, __m512i v) {
     if (!f) {
         t->c[j] = v;
     } else if (f->fp) {
-        v = signed_codes(v, f->sgn);
         for (int b = 0; b < 4; b++) {
-            const __m512 w = code_f32(v, b, f->sgn);
+            const __m512 w = fused_code_f32(f->kind, j, v, b);
             for (int i = 0; i < f->nf; i++) f->fd[i][j / 4] = _mm512_fmadd_ps(w, _mm512_set1_ps(f->x[i][4 * j + b]), f->fd[i][j / 4]);
         }
     } else {
@@ -293,8 +311,10 @@ VNNI static inline ALWAYS void put_dword(const int kind, int i, __m512i v, Tile 
         }
         const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
         const int g = (i - 2) / 4, e = (i - 2) % 4; /* 16 bytes per group: low nibbles weights 32g + l, high 32g + 16 + l */
-        emit(t, f, 8 * g + e, _mm512_shuffle_epi8(table, _mm512_and_si512(v, n4)));
-        emit(t, f, 8 * g + 4 + e, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32(v, 4), n4)));
+        const __m512i lo = _mm512_and_si512(v, n4), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), n4);
+        const int raw = f && f->fp; /* the fp32 fused pass looks the indices up itself (fused_code_f32) */
+        emit(t, f, 8 * g + e, raw ? lo : _mm512_shuffle_epi8(table, lo));
+        emit(t, f, 8 * g + 4 + e, raw ? hi : _mm512_shuffle_epi8(table, hi));
     }
 }
 
@@ -418,19 +438,19 @@ VNNI static void items_pass(int kind, const Tile *t, int has_mins, const uint8_t
 }
 
 /* ---- Exact fp32 activations on the same tiles (quill_gemv_tiles_f32: kquant.c's GEMV of the block kinds
- * with isa 512 on a VNNI CPU). The decoded codes become fp32 (SGN: signed where the format's weights are),
- * so weight = scale * code - min is the file's own, and x is never rounded. Per (row, item) and 16-weight
+ * with isa 512 on a VNNI CPU). The decoded codes become fp32 (code_f32, fused_code_f32: each format's own
+ * codes, signed where its weights are), so weight = scale * code - min is the file's own, and x is never rounded. Per
+ * (row, item) and 16-weight
  * chunk c, the dot d_c = sum over the chunk's weights in order of code * x (FMAs from zero); then per group
  * (Q6_K: per chunk) one FMA of the scale times the dot (d_2g + d_2g+1), and for Q4_K / Q5_K one of the min
  * times the group's sum of x. The same sequence at any batch: a fused pass of 1-NF items (the decoded
  * registers go straight into their FMAs, as in the int8 path) and a tile of items give the same bits. */
 
-#define SGN(kind) ((kind) == 1 ? 1 : (kind) == 4 ? 2 : 0)
 #define FCHUNK 16 /* items per pass over the weights: their fp32 rows stay in L2 */
 
-/* The decoded tile's first nj code registers as fp32: F[k] lane r = row r's code k. */
-VNNI static inline ALWAYS void tile_floats(const Tile *t, int nj, const int sgn, __m512 *F) {
-    for (int j = 0; j < nj; j++) {
+/* The decoded tile's codes as fp32: F[k] lane r = row r's code k. */
+VNNI static inline ALWAYS void tile_floats(const Tile *t, const int sgn, __m512 *F) {
+    for (int j = 0; j < 64; j++) {
         const __m512i v = signed_codes(t->c[j], sgn);
 #pragma GCC unroll 4
         for (int b = 0; b < 4; b++) F[4 * j + b] = code_f32(v, b, sgn);
@@ -497,7 +517,7 @@ VNNI static inline ALWAYS void one_item_k(const int kind, const uint8_t *const *
     Tile t;
     Fuse f;
     f.fp = fp;
-    f.sgn = SGN(kind);
+    f.kind = kind;
     f.nf = nf;
     for (int k = 0; k < 16; k++) {
         if (fp) for (int i = 0; i < nf; i++) f.fd[i][k] = _mm512_setzero_ps();
@@ -574,7 +594,7 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                     continue;
                 }
                 decode_any(kind, rows, srows, mins ? mrows : NULL, b, ng, &t);
-                if (x) tile_floats(&t, 64, SGN(kind), F);
+                if (x) tile_floats(&t, SGN(kind), F);
                 for (int i0 = 0; i0 < nc; i0 += IT) {
                     const int nb = nc - i0 < IT ? nc - i0 : IT;
                     if (x) fitems_pass(kind, &t, F, has_mins, x, xs, K, b, ng, acc + 16 * i0, c0 + i0, nb);
