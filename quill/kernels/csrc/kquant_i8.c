@@ -143,12 +143,13 @@ typedef struct {
  * c[4k .. 4k + 4) with the item's activations q (the block's 256). */
 #define NF 4 /* items a fused pass with fp32 activations takes (more: slower, and a larger build) */
 typedef struct {
-    __m512i d[16];
+    int fp, kind, nf; /* fp32 activations (quill_gemv_tiles_f32), nf items (at most NF); constants where made */
+    union {
+        __m512i d[16];
+        /* fd[i][k] lane r = row r's fp32 dot over weights 16k .. 16k + 16 with item i's x (the block's 256) */
+        __m512 fd[NF][16];
+    };
     const int8_t *q;
-    /* fp32 activations (quill_gemv_tiles_f32; fp, kind and nf compile-time constants wherever a Fuse is made):
-     * fd[k] lane r = row r's fp32 dot over weights 16k .. 16k + 16 with the item's x (the block's 256) */
-    int fp, kind, nf; /* nf items (at most NF), fused */
-    __m512 fd[NF][16];
     const float *x[NF];
 } Fuse;
 
@@ -531,22 +532,26 @@ VNNI static inline ALWAYS void one_item_k(const int kind, const uint8_t *const *
 }
 
 #define ONE_ITEM_NG8(k, ...) one_item_k(k, rows, srows, mrows, b, 8, __VA_ARGS__)
-/* Items [item, item + n) in one fused pass: n = 1 with int8 activations (x NULL); with fp32 ones, a
- * block kind's 1 to NF items. */
+/* A fused pass with int8 activations: one item. */
 VNNI static void one_item(int kind, const uint8_t *const *rows, const uint8_t *const *srows, const uint8_t *const *mrows,
-                          long b, int ng, int has_mins, const uint8_t *act, const float *x, const float *xs, long K,
-                          float *acc, int item, int n) {
+                          long b, int ng, int has_mins, const uint8_t *act, long K, float *acc, int item) {
     /* ng a constant wherever it is 8 (every block, every whole stretch): the indices stay constants */
-    if (x && n == 1) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 1, 1);
-    else if (x && n == 2) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 1, 2);
-    else if (x && n == 3) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 1, 3);
-    else if (x) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 1, 4);
-    else if (ng < 8 && kind == LAYOUT_Q4) /* a layout's last, shorter stretch */
-        one_item_k(LAYOUT_Q4, rows, srows, mrows, b, ng, has_mins, act, x, xs, K, acc, item, 0, 1);
+    if (ng < 8 && kind == LAYOUT_Q4) /* a layout's last, shorter stretch */
+        one_item_k(LAYOUT_Q4, rows, srows, mrows, b, ng, has_mins, act, NULL, NULL, K, acc, item, 0, 1);
     else if (ng < 8)
-        one_item_k(LAYOUT_Q8, rows, srows, mrows, b, ng, has_mins, act, x, xs, K, acc, item, 0, 1);
+        one_item_k(LAYOUT_Q8, rows, srows, mrows, b, ng, has_mins, act, NULL, NULL, K, acc, item, 0, 1);
     else
-        KIND_CONST(ONE_ITEM_NG8, kind, has_mins, act, x, xs, K, acc, item, 0, 1);
+        KIND_CONST(ONE_ITEM_NG8, kind, has_mins, act, NULL, NULL, K, acc, item, 0, 1);
+}
+
+/* A fused pass with fp32 activations: items [item, item + n), n <= NF, of a block kind. */
+VNNI static void items_f32_fused(int kind, const uint8_t *const *rows, long b, int has_mins, const float *x,
+                                 const float *xs, long K, float *acc, int item, int n) {
+    const uint8_t *const *srows = NULL, *const *mrows = NULL;
+    if (n == 1) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 1);
+    else if (n == 2) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 2);
+    else if (n == 3) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 3);
+    else BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 4);
 }
 
 /* Part b of nblk of the n bytes at p, into L2. */
@@ -559,7 +564,7 @@ static inline void prefetch_part(const char *p, long n, long b, long nblk) {
  * 16-row tile (tiles split among threads); within a tile, each super-block / stretch is decoded once
  * and meets the chunk's items IT at a time (a chunk of one item: one_item). A last partial tile repeats
  * row N - 1 and stores only its real rows. With fp32 activations (x, xs; act NULL): chunks of FCHUNK,
- * a chunk of up to NF items fused (one_item), larger ones through the tile's codes as fp32 (F). */
+ * a chunk of up to NF items fused (items_f32_fused), larger ones through the tile's codes as fp32 (F). */
 VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, const float *mins, const uint8_t *act,
                            const float *x, const float *xs, long K, int N, int B, float *out, int ld, int threads) {
     const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8, per_pass = x ? FCHUNK : CHUNK;
@@ -589,8 +594,12 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                     if (layout) prefetch_part((const char *)(scale + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                     if (layout && mins) prefetch_part((const char *)(mins + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                 }
-                if (nc <= (x ? NF : 1)) {
-                    one_item(kind, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, x, xs, K, acc, c0, nc);
+                if (x && nc <= NF) {
+                    items_f32_fused(kind, rows, b, has_mins, x, xs, K, acc, c0, nc);
+                    continue;
+                }
+                if (nc == 1) {
+                    one_item(kind, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, K, acc, c0);
                     continue;
                 }
                 decode_any(kind, rows, srows, mins ? mrows : NULL, b, ng, &t);
