@@ -520,13 +520,12 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
     const long row_bytes = quill_kq_row_bytes(kind, K);
     if (!row_bytes) return;
     const int wide = quill_isa_used(isa) == 512, nblk = K / QK, tile = wide ? TILE512 : TILE;
-    if (wide && (kind == 0 || kind == 1 || kind == 4 || kind == 5) && /* VNNI CPUs: the tiles of kquant_i8.c */
-        quill_gemv_tiles_f32(kind, blocks, x, xs, out, N, K, B, ld, threads) == 0)
-        return;
     if (kind == 8) /* Q2_K: a min per 16 weights, so sums of 16 */
         kq_group_sums(x, xs, B, K, 16);
     else if (HAS_MIN(kind))
         kq_group_sums(x, xs, B, K, 32);
+    if (wide && quill_gemv_tiles_f32(kind, blocks, x, xs, out, N, K, B, ld, threads) == 0)
+        return; /* VNNI CPUs: the tiles of kquant_i8.c for the kinds they take */
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = blocks + (long)n * row_bytes;

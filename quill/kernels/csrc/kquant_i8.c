@@ -186,7 +186,7 @@ VNNI static inline ALWAYS __m512 fused_code_f32(const int kind, const int j, __m
         return _mm512_permutex2var_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), at,
                                       _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31));
     if (kind == 4)
-        return _mm512_permutexvar_ps(at, _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+        return _mm512_permutexvar_ps(at, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_TABLE))));
     return code_f32(signed_codes(v, SGN(kind)), b, SGN(kind));
 }
 
@@ -440,9 +440,9 @@ VNNI static void items_pass(int kind, const Tile *t, int has_mins, const uint8_t
 
 /* ---- Exact fp32 activations on the same tiles (quill_gemv_tiles_f32: kquant.c's GEMV of the block kinds
  * with isa 512 on a VNNI CPU). The decoded codes become fp32 (code_f32, fused_code_f32: each format's own
- * codes, signed where its weights are), so weight = scale * code - min is the file's own, and x is never rounded. Per
- * (row, item) and 16-weight
- * chunk c, the dot d_c = sum over the chunk's weights in order of code * x (FMAs from zero); then per group
+ * codes, signed where its weights are), so weight = scale * code - min is the file's own, and x is never
+ * rounded. Per (row, item) and 16-weight chunk c of a super-block, the dot d_c = sum over the chunk's
+ * weights in order of code * x (FMAs from zero); then per group
  * (Q6_K: per chunk) one FMA of the scale times the dot (d_2g + d_2g+1), and for Q4_K / Q5_K one of the min
  * times the group's sum of x. The same sequence at any batch: a fused pass of 1-NF items (the decoded
  * registers go straight into their FMAs, as in the int8 path) and a tile of items give the same bits. */
@@ -461,12 +461,11 @@ VNNI static inline ALWAYS void tile_floats(const Tile *t, const int sgn, __m512 
 /* Items [i0, i0 + nb) (fp32 rows of x, K apart; xs: each item's K / 32 group sums) meet the tile of
  * super-block b: F holds its codes as fp32, or (fz, a fused pass) their chunk dots are already made. */
 VNNI static inline ALWAYS void ftile_items(const int kind, const Tile *t, const __m512 *F, const Fuse *fz, int has_mins,
-                                           const float *x, const float *xs, long K, long b, int ng, float *acc,
-                                           int i0, const int nb) {
-    const int chunks = kind == 1 ? 16 : 2 * ng;
+                                           const float *x, const float *xs, long K, long b, float *acc, int i0,
+                                           const int nb) {
     __m512 s[IT], prev[IT];
     for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i), prev[i] = _mm512_setzero_ps();
-    for (int c = 0; c < chunks; c++) {
+    for (int c = 0; c < 16; c++) {
         __m512 d[IT];
         if (fz) {
             for (int i = 0; i < nb; i++) d[i] = fz->fd[i][c];
@@ -494,8 +493,8 @@ VNNI static inline ALWAYS void ftile_items(const int kind, const Tile *t, const 
 
 #define FITEMS_NB(k, ...) NB_SWITCH(ftile_items, k, __VA_ARGS__)
 VNNI static void fitems_pass(int kind, const Tile *t, const __m512 *F, int has_mins, const float *x, const float *xs,
-                             long K, long b, int ng, float *acc, int i0, int nb) {
-    BLOCK_CONST(FITEMS_NB, kind, t, F, NULL, has_mins, x, xs, K, b, ng, acc, i0);
+                             long K, long b, float *acc, int i0, int nb) {
+    BLOCK_CONST(FITEMS_NB, kind, t, F, NULL, has_mins, x, xs, K, b, acc, i0);
 }
 
 VNNI static inline ALWAYS void decode_kind(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
@@ -527,7 +526,7 @@ VNNI static inline ALWAYS void one_item_k(const int kind, const uint8_t *const *
     if (fp) for (int i = 0; i < nf; i++) f.x[i] = x + (long)(item + i) * K + 256 * b;
     else f.q = act_at(act, K, item).q + 256 * b;
     decode_kind(kind, rows, srows, mrows, b, ng, &t, &f);
-    if (fp) ftile_items(kind, &t, NULL, &f, has_mins, x, xs, K, b, ng, acc, item, nf);
+    if (fp) ftile_items(kind, &t, NULL, &f, has_mins, x, xs, K, b, acc, item, nf);
     else tile_items(kind, &t, &f, has_mins, act, K, b, ng, acc, item, 1);
 }
 
@@ -606,7 +605,7 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                 if (x) tile_floats(&t, SGN(kind), F);
                 for (int i0 = 0; i0 < nc; i0 += IT) {
                     const int nb = nc - i0 < IT ? nc - i0 : IT;
-                    if (x) fitems_pass(kind, &t, F, has_mins, x, xs, K, b, ng, acc + 16 * i0, c0 + i0, nb);
+                    if (x) fitems_pass(kind, &t, F, has_mins, x, xs, K, b, acc + 16 * i0, c0 + i0, nb);
                     else items_pass(kind, &t, has_mins, act, K, b, ng, acc + 16 * i0, c0 + i0, nb);
                 }
             }
@@ -825,17 +824,15 @@ int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const floa
     return 0;
 }
 
-void quill_group_sums(const float *x, float *xs, int B, int G); /* quant_gemv.c */
-
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T with x in fp32, never rounded (the exact path), on the VNNI
  * CPUs' tiles above, for W in the block kinds 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K (K a multiple of 256).
- * xs: scratch of B * K / 32 floats (the group sums the mins need). Returns 0, or -1 (nothing written)
+ * xs: each item's K / 32 sums of x per 32 weights (the mins' terms; read for Q4_K and Q5_K), made by the
+ * caller (kquant.c, which makes them for its rows too). Returns 0, or -1 (nothing written)
  * where this CPU or the kind has no tile kernel, for kquant.c to run its rows. The q4 / q8 layouts keep
  * their rows (quant_gemv.c): there a fused pass of one item took 1.3-1.5x their time. */
 int quill_gemv_tiles_f32(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B,
                          int ld, int threads) {
     if (!quill_hw_vnni() || !(kind == 0 || kind == 1 || kind == 4 || kind == 5) || K % 256) return -1;
-    if (kind == 0 || kind == 5) quill_group_sums(x, xs, B, K / 32);
     tile_gemm(kind, blocks, NULL, NULL, NULL, x, xs, K, N, B, out, ld, threads);
     return 0;
 }

@@ -33,7 +33,7 @@
  * give, for an inf or NaN in x non-finite too (inf, -inf or NaN), never a finite number.
  * The dequantized tile keeps its FMA, with a +0 min: the same bits as before. */
 
-void quill_group_sums(const float *x, float *xs, int B, int G) {
+static void group_sums(const float *x, float *xs, int B, int G) {
     for (int b = 0; b < B; b++)
         for (int g = 0; g < G; g++) {
             const float *p = x + ((long)b * G + g) * 32;
@@ -232,8 +232,8 @@ int quill_isa_used(int isa) { return isa >= 512 && quill_hw_avx512() ? 512 : 256
 #define GEMV_FN(NAME, CODE_T, BYTES_PER_GROUP, ROW, ROW512)                                          \
     void NAME##_ld(const CODE_T *codes, const float *scale, const float *mins, const float *x, float *xs, \
                    float *out, int N, int G, int B, int ld, int isa, int threads) {                  \
+        if (mins) group_sums(x, xs, B, G); /* only the min terms read them */                      \
         const int wide = quill_isa_used(isa) == 512;                                                 \
-        if (mins) quill_group_sums(x, xs, B, G); /* only the min terms read them */                      \
         _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")          \
         for (int n = 0; n < N; n++) {                                                                \
             const CODE_T *row = codes + (long)n * G * BYTES_PER_GROUP;                               \
