@@ -1,9 +1,10 @@
 """The opt-in int8-activation kernels (csrc/kquant_i8.c): the activations' rounding against a numpy
 statement of it, every weight type's GEMV/GEMM against the fp64 product of the dequantized weights with
 the rounded activations, batch invariance, which types take the path, and the options that turn it on.
-The AVX2 rows run on every CPU the kernels build for, the AVX-512 VNNI tiles where the CPU has VNNI (the
-two compute the same integer dots; the fp64 reference checks both); test_kquant_i8_tiles.py emulates the
-tiles' layout and arithmetic on any CPU."""
+The AVX2 kernels (8-row tiles for the block kinds, rows for the q4 / q8 layouts) run on every CPU the
+kernels build for, the AVX-512 VNNI tiles where the CPU has VNNI (both compute the same integer dots;
+the fp64 reference checks both); test_kquant_i8_tiles.py emulates the VNNI tiles' layout and arithmetic
+on any CPU."""
 
 from __future__ import annotations
 
@@ -105,6 +106,36 @@ def test_gemv_matches_fp64_on_rounded_activations(name, K, B, isa):
     assert not np.array_equal(exact, got)
 
 
+# Byte ranges that hold the codes, and the byte that makes every code the largest in magnitude (ggml-common.h's
+# block layouts): Q4_K nibbles 15, Q5_K 31 (nibbles and fifth bits set), Q6_K 63, IQ4_XS index 0 (-127).
+EXTREME_CODES = {"Q4_K": ([(16, 144)], 0xFF), "Q5_K": ([(16, 176)], 0xFF), "Q6_K": ([(0, 192)], 0xFF),
+                 "IQ4_XS": ([(8, 136)], 0x00)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", sorted(EXTREME_CODES))
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_largest_codes_do_not_overflow(name, sign, isa):
+    """Every code at its largest magnitude and every activation at +-127: the AVX2 tiles sum runs of
+    vpmaddubsw pairs in int16 right up to the bound (Q4_K 30480, Q5_K 31496, Q6_K 32004); a saturated
+    sum would be far from the fp64 product."""
+    raw = random_blocks(name, 24, 512, np.random.default_rng(3))
+    ranges, byte = EXTREME_CODES[name]
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}[name]
+    blocks = raw.reshape(24, 2, size)
+    for lo, hi in ranges:
+        blocks[:, :, lo:hi] = byte
+    lin = PackedLinear(pack_gguf(Q[name], (24, 512), blocks.reshape(24, -1)), None, Workspace())
+    x = torch.full((3, 512), sign)
+    x[1] = -x[1]
+    x[2, ::2] = -x[2, ::2]
+    with use_kernel_options(int8(isa)):
+        got = lin(x).double().numpy()
+    want = fp64_product(lin, x)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
@@ -137,19 +168,20 @@ def test_rows_are_batch_invariant(name, K, isa):
     x = activations(16, K, seed=2)
     with use_kernel_options(int8(isa)):
         batch = lin(x)
-        for i in (0, 3, 4, 7, 8, 15):  # first and last of tiles of four (AVX2) and eight (VNNI)
+        for i in (0, 3, 4, 7, 8, 15):  # first and last of the passes' groups of four (AVX2) and eight (VNNI) items
             alone = lin(x[i:i + 1].clone())
             assert torch.equal(alone[0], batch[i])
 
 
 @needs_kernels
-def test_prefill_rows_take_the_int8_kernel_too():
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_rows_take_the_int8_kernel_too(isa):
     """With int8 activations a long prompt goes through the same kernel (no fp32 tile): its rows equal
     the rows computed one at a time."""
     lin = linear("Q4_K", 40, 512)
-    for T in (70, 65):  # past one chunk of 64 items (the VNNI tiles' pass over the weights); 65: a last chunk of one
+    for T in (70, 65):  # past one chunk of 64 items (both tiles' pass over the weights); 65: a last chunk of one
         x = activations(T, 512)
-        with use_kernel_options(int8()):
+        with use_kernel_options(int8(isa)):
             whole = lin(x)
             assert all(torch.equal(whole[i], lin(x[i:i + 1].clone())[0]) for i in (0, 17, 63, 64, T - 1))
 

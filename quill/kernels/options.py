@@ -29,7 +29,8 @@ class KernelOptions:
     int8: opt-in -- each 32 activations rounded to int8 with their own scale before the GEMV/GEMM of
     every weight type that has an int8 kernel (csrc/kquant_i8.c: Q4_K, Q5_K, Q6_K, IQ4_XS and the
     q4/q8 layouts of Q4_0, Q4_1, Q5_1, Q8_0; AVX-512 VNNI tiles with isa 512 where the CPU has VNNI,
-    AVX2 rows otherwise); the others, and everything outside linears, stay exact."""
+    else csrc/kquant_i8_avx2.c: AVX2 tiles for the K-quants, rows for the layouts); the others, and
+    everything outside linears, stay exact."""
 
     isa: int = 256
     amx: bool = False
@@ -47,7 +48,7 @@ class Hardware:
 
     avx512: bool = False
     amx: bool = False
-    vnni: bool = False  # AVX-512 VNNI: the int8-activation kernels' VNNI tiles (else their AVX2 rows)
+    vnni: bool = False  # AVX-512 VNNI: the int8-activation kernels' VNNI tiles (else their AVX2 kernels)
 
 
 @lru_cache(maxsize=1)

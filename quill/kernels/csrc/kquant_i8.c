@@ -1,7 +1,7 @@
 /* Opt-in int8 activations (KernelOptions.int8): the GEMV / GEMM reads the same weights as kquant.c
  * and quant_gemv.c, but each 32 activations are first rounded to int8 with their own fp32 scale,
  * so four weights times four activations are one lane of an integer dot-product instruction
- * (AVX-512 VNNI vpdpbusd; AVX2 rows without VNNI: vpmaddubsw and vpmaddwd, further below) instead of
+ * (AVX-512 VNNI vpdpbusd; without VNNI, kquant_i8_avx2.c: vpmaddubsw and vpmaddwd) instead of
  * four fp32 FMAs. This is the one place where quill rounds anything beyond the file's own
  * quantization; the exact fp32 kernels stay the default. On VNNI CPUs the exact path of the block
  * kinds runs on the same tiles with fp32 activations (quill_gemv_tiles_f32, at the end of the VNNI
@@ -29,27 +29,13 @@
  */
 #include <immintrin.h>
 
-#include "kformat.h"
+#include "kquant_i8.h"
 #include "simd.h"
 #include <stdint.h>
 #include <string.h>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define ALWAYS __attribute__((always_inline))
-#define ROWS 16    /* AVX2 rows per task: their weights and a tile of activations stay in L1/L2 together */
-
-static inline long act_bytes(long K) { return K + K / 8 + K / 8 + K / 4 + K / 8; }
-
-typedef struct {
-    const int8_t *q;
-    const float *dx, *xs, *s16, *s32;
-} Act;
-
-static inline Act act_at(const uint8_t *buf, long K, int b) {
-    const uint8_t *p = buf + (long)b * act_bytes(K);
-    return (Act){(const int8_t *)p, (const float *)(p + K), (const float *)(p + K + K / 8), (const float *)(p + K + K / 4),
-                 (const float *)(p + K + K / 2)};
-}
 
 long quill_act8_bytes(int B, int K) { return (long)B * act_bytes(K); }
 
@@ -97,18 +83,6 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
             xs[g] = d * s32[g];
         }
     }
-}
-
-/* Q4_K / Q5_K's eight 6-bit scales and mins of a block, times d and dmin (the AVX2 rows). */
-static inline void kmins_scales(const uint8_t *blk, __m256 *sc, __m256 *mn) {
-    const __m128i bytes = k4_scales_mins(blk);
-    *sc = _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-    *mn = _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
-}
-
-/* Bytes per super-block of the block kinds with an int8 kernel: 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K. */
-static inline int super_bytes(int kind) {
-    return kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;
 }
 
 /* ---- AVX-512 VNNI: tiles of 16 weight rows, one row per 32-bit lane ----
@@ -423,15 +397,6 @@ VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, const F
         else { F(LAYOUT_Q8, __VA_ARGS__); }                                                          \
     } while (0)
 
-/* F(k, ...) for the block kinds alone (what the fp32 activations' tiles take) */
-#define BLOCK_CONST(F, kind, ...)                                                                    \
-    do {                                                                                             \
-        if ((kind) == 0) { F(0, __VA_ARGS__); }                                                      \
-        else if ((kind) == 1) { F(1, __VA_ARGS__); }                                                 \
-        else if ((kind) == 4) { F(4, __VA_ARGS__); }                                                 \
-        else { F(5, __VA_ARGS__); }                                                                  \
-    } while (0)
-
 #define ITEMS_NB(k, ...) NB_SWITCH(tile_items, k, __VA_ARGS__)
 VNNI static void items_pass(int kind, const Tile *t, int has_mins, const uint8_t *act, long K, long b, int ng,
                             float *acc, int i0, int nb) {
@@ -553,12 +518,6 @@ VNNI static void items_f32_fused(int kind, const uint8_t *const *rows, long b, i
     else BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 4);
 }
 
-/* Part b of nblk of the n bytes at p, into L2. */
-static inline void prefetch_part(const char *p, long n, long b, long nblk) {
-    const long per = (n + nblk - 1) / nblk;
-    for (long o = b * per; o < (b + 1) * per && o < n; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-}
-
 /* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks of CHUNK, each chunk meeting every
  * 16-row tile (tiles split among threads); within a tile, each super-block / stretch is decoded once
  * and meets the chunk's items IT at a time (a chunk of one item: one_item). A last partial tile repeats
@@ -616,175 +575,6 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
     }
 }
 
-/* ---- AVX2 without VNNI (and AVX-512 hosts asked for isa 256): 32 weights at a time. A group's integer
- * dot is vpmaddubsw (unsigned codes x signed activations, pairs to int16: |sum| <= 2 * 63 * 127 for Q6_K,
- * no saturation) then vpmaddwd by ones (or Q6_K's per-16 scales) to eight int32 lanes; four groups'
- * lanes are then added horizontally so each is scaled once. Signed codes (IQ4_XS's table values, the
- * q8 layout) use |w| and x with w's sign, so no offset is needed there. Each (row, item) runs the same
- * instructions in the same order wherever the item sits in the batch. */
-
-#define T4 4
-
-static inline __m256i dot32_u(__m256i w, __m256i x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); }
-static inline __m256i dot32_s(__m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
-}
-
-/* One group of a super-block kind: its codes; Q6_K: also its two per-16 scales (int16 lanes, sc16). */
-typedef struct {
-    __m256i w, sc16;
-} Group;
-
-static inline __attribute__((always_inline)) void group_of(const int kind, const uint8_t *blk, int g, Group *o) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    if (kind == 0 || kind == 5) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (kind == 5 ? 48 : 16) + 32 * (g >> 1)));
-        __m256i q = _mm256_and_si256((g & 1) ? _mm256_srli_epi16(raw, 4) : raw, m4);
-        if (kind == 5) {
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-            q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)), _mm256_set1_epi8(1)), 4));
-        }
-        o->w = q;
-    } else if (kind == 1) {
-        const int h = g >> 2, r = g & 3;
-        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (r & 1)));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-        const __m256i lo = _mm256_and_si256((r >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
-        o->w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-        const int8_t *s8 = (const int8_t *)(blk + 192);
-        o->sc16 = _mm256_set_m128i(_mm_set1_epi16(s8[2 * g + 1]), _mm_set1_epi16(s8[2 * g]));
-    } else {
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
-        o->w = _mm256_shuffle_epi8(table, nibbles32(blk + 8 + 16 * g));
-    }
-}
-
-/* A super-block's per-group scales (Q6_K: d alone) and offset factors as fp32. */
-static inline void block_floats(int kind, const uint8_t *blk, float *sc, float *mn) {
-    if (kind == 0 || kind == 5) {
-        __m256 s, m;
-        kmins_scales(blk, &s, &m);
-        _mm256_storeu_ps(sc, s);
-        _mm256_storeu_ps(mn, m);
-    } else if (kind == 1) {
-        sc[0] = f16(blk + 208);
-    } else {
-        const float d = f16(blk);
-        const int high = blk[2] | (blk[3] << 8);
-        for (int ib = 0; ib < 8; ib++)
-            sc[ib] = d * (float)((((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32);
-    }
-}
-
-/* Four groups' int32 dots (eight lanes each) -> lanes i and i + 4 hold group i's two halves: the
- * horizontal adds keep each lane to one group, so one convert and one FMA scale all four. */
-static inline __m256i quad_sums(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
-}
-
-static inline __attribute__((always_inline)) void kq_row_avx2_n(const int kind, const uint8_t *row, int nblk,
-                                                                 const uint8_t *act, long K, float *out, int ld, int n,
-                                                                 int b0, int nb) {
-    const int bytes = super_bytes(kind);
-    const __m256i lo4 = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi4 = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
-    __m256 acc[T4];
-    for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps();
-    for (int b = 0; b < nblk; b++) {
-        const uint8_t *blk = row + (long)b * bytes;
-        float sc[8], mn[8];
-        block_floats(kind, blk, sc, mn);
-        const __m256 SC = kind == 1 ? _mm256_set1_ps(sc[0]) : _mm256_loadu_ps(sc);
-        for (int qd = 0; qd < 2; qd++) {
-            Group k[4];
-            for (int i = 0; i < 4; i++) group_of(kind, blk, 4 * qd + i, &k[i]);
-            for (int t = 0; t < nb; t++) {
-                const Act a = act_at(act, K, b0 + t);
-                __m256i d[4];
-                for (int i = 0; i < 4; i++) {
-                    const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 256L * b + 32 * (4 * qd + i)));
-                    d[i] = kind == 1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(k[i].w, x), k[i].sc16)
-                           : kind == 4 ? dot32_s(k[i].w, x) : dot32_u(k[i].w, x);
-                }
-                const __m256 p = _mm256_mul_ps(SC, _mm256_loadu_ps(a.dx + 8L * b));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad_sums(d[0], d[1], d[2], d[3])),
-                                         _mm256_permutevar8x32_ps(p, qd ? hi4 : lo4), acc[t]);
-            }
-        }
-        for (int t = 0; t < nb; t++) { /* the format's offset, one vector op per block */
-            const Act a = act_at(act, K, b0 + t);
-            if (kind == 0 || kind == 5)
-                acc[t] = _mm256_fnmadd_ps(_mm256_loadu_ps(mn), _mm256_loadu_ps(a.xs + 8L * b), acc[t]);
-            else if (kind == 1) { /* -32 d sc_c dx_(c/2) s16_c over the 16 chunks */
-                const __m256 dx = _mm256_loadu_ps(a.dx + 8L * b);
-                const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-                for (int h = 0; h < 2; h++) {
-                    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(s8, 8) : s8));
-                    const __m256 dxd = _mm256_permutevar8x32_ps(dx, h ? _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)
-                                                                      : _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-                    acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_mul_ps(scf, _mm256_set1_ps(32.0f * sc[0])), dxd),
-                                              _mm256_loadu_ps(a.s16 + 16L * b + 8 * h), acc[t]);
-                }
-            }
-        }
-    }
-    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(acc[t]);
-}
-
-static void kq_row_avx2(int kind, const uint8_t *row, int nblk, const uint8_t *act, long K, float *out, int ld, int n,
-                        int b0, int nb) {
-    if (kind == 0) kq_row_avx2_n(0, row, nblk, act, K, out, ld, n, b0, nb);
-    else if (kind == 1) kq_row_avx2_n(1, row, nblk, act, K, out, ld, n, b0, nb);
-    else if (kind == 4) kq_row_avx2_n(4, row, nblk, act, K, out, ld, n, b0, nb);
-    else kq_row_avx2_n(5, row, nblk, act, K, out, ld, n, b0, nb);
-}
-
-static inline __attribute__((always_inline)) void pk_row_avx2_n(const int q8, const uint8_t *codes, const float *scale,
-                                                                 const float *mins, int G, const uint8_t *act, long K,
-                                                                 float *out, int ld, int n, int b0, int nb) {
-    const uint8_t *row = codes + (long)n * G * (q8 ? 32 : 16);
-    const float *sr = scale + (long)n * G, *mr = mins ? mins + (long)n * G : NULL;
-    __m256 acc[T4];
-    float off[T4];
-    for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    int g = 0;
-    for (; g + 4 <= G; g += 4) { /* four groups at a time, scaled once (quad_sums) */
-        __m256i w[4];
-        for (int i = 0; i < 4; i++)
-            w[i] = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * (g + i))) : nibbles32(row + 16L * (g + i));
-        const __m128 s4 = _mm_loadu_ps(sr + g);
-        const __m256 mn4 = mr ? _mm256_zextps128_ps256(_mm_loadu_ps(mr + g)) : _mm256_setzero_ps();
-        for (int t = 0; t < nb; t++) {
-            const Act a = act_at(act, K, b0 + t);
-            __m256i d[4];
-            for (int i = 0; i < 4; i++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 32L * (g + i)));
-                d[i] = q8 ? dot32_s(w[i], x) : dot32_u(w[i], x);
-            }
-            const __m128 p = _mm_mul_ps(s4, _mm_loadu_ps(a.dx + g));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad_sums(d[0], d[1], d[2], d[3])), _mm256_set_m128(p, p), acc[t]);
-            if (mr) acc[t] = _mm256_fmadd_ps(mn4, _mm256_zextps128_ps256(_mm_loadu_ps(a.xs + g)), acc[t]);
-        }
-    }
-    for (; g < G; g++) { /* the last G % 4 groups one at a time */
-        const __m256i w = q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * g)) : nibbles32(row + 16L * g);
-        for (int t = 0; t < nb; t++) {
-            const Act a = act_at(act, K, b0 + t);
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(a.q + 32L * g));
-            const __m256i d = q8 ? dot32_s(w, x) : dot32_u(w, x);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sr[g] * a.dx[g]), acc[t]);
-            if (mr) off[t] += mr[g] * a.xs[g];
-        }
-    }
-    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(acc[t]) + off[t];
-}
-
-static void pk_row_avx2(int q8, const uint8_t *codes, const float *scale, const float *mins, int G, const uint8_t *act,
-                        long K, float *out, int ld, int n, int b0, int nb) {
-    if (q8) pk_row_avx2_n(1, codes, scale, mins, G, act, K, out, ld, n, b0, nb);
-    else pk_row_avx2_n(0, codes, scale, mins, G, act, K, out, ld, n, b0, nb);
-}
-
 /* 1 where `kind` (kquant.c's block kinds, LAYOUT_Q4, LAYOUT_Q8) has an int8 kernel: every CPU the kernels
  * run on (AVX2) has one for these. */
 int quill_i8_supported(int kind) {
@@ -794,9 +584,8 @@ int quill_i8_supported(int kind) {
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T with x rounded as above. W: `kind`'s blocks (0 Q4_K,
  * 1 Q6_K, 4 IQ4_XS, 5 Q5_K; K a multiple of 256), or LAYOUT_Q4 / LAYOUT_Q8 codes with per-group scale
  * and mins (mins may be NULL: all zero). act: scratch of quill_act8_bytes(B, K) bytes. isa: 512 = the
- * VNNI tiles where the CPU has VNNI, else the AVX2 rows (rows go to threads in runs of ROWS; within a
- * run, items in tiles of T4 meet each row in turn). Returns 0, or -1 (nothing written) where the kind
- * has no int8 kernel. */
+ * VNNI tiles where the CPU has VNNI, else kquant_i8_avx2.c's (8-row tiles for the block kinds, rows for
+ * the layouts). Returns 0, or -1 (nothing written) where the kind has no int8 kernel. */
 int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const float *mins, const float *x,
                   uint8_t *act, float *out, int N, int K, int B, int ld, int isa, int threads) {
     if (!quill_i8_supported(kind) || K % (kind >= LAYOUT_Q4 ? 32 : 256)) return -1;
@@ -805,22 +594,7 @@ int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const floa
         tile_gemm(kind, codes, scale, mins, act, NULL, NULL, K, N, B, out, ld, threads);
         return 0;
     }
-    const int runs = (N + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int r = 0; r < runs; r++) {
-        const int n1 = (r + 1) * ROWS < N ? (r + 1) * ROWS : N;
-        for (int b0 = 0; b0 < B; b0 += T4) {
-            const int nb = B - b0 < T4 ? B - b0 : T4;
-            for (int n = r * ROWS; n < n1; n++) {
-                if (kind >= LAYOUT_Q4)
-                    pk_row_avx2(kind == LAYOUT_Q8, codes, scale, mins, K / 32, act, K, out, ld, n, b0, nb);
-                else {
-                    const long row_bytes = (long)(K / 256) * super_bytes(kind);
-                    kq_row_avx2(kind, codes + (long)n * row_bytes, K / 256, act, K, out, ld, n, b0, nb);
-                }
-            }
-        }
-    }
+    quill_i8_tiles_avx2(kind, codes, scale, mins, act, K, N, B, out, ld, threads);
     return 0;
 }
 

@@ -1,0 +1,391 @@
+/* The int8 path's tiles for CPUs without AVX-512 VNNI (AVX2 only, as AMD Zen 1-3; and any CPU asked for
+ * isa 256), for the block kinds (Q4_K, Q5_K, Q6_K, IQ4_XS): the idea of kquant_i8.c's VNNI tiles with
+ * eight weight rows at a time, one row per 32-bit lane of a 256-bit register. The q4 / q8 layouts keep
+ * rows (further below).
+ *
+ * The eight rows' bytes of a super-block are transposed in spans of 32 bytes (transpose8: dword j of
+ * every row in one register), then decoded lane-wise into 64 registers of four codes per lane (c[j]:
+ * weights 4j..4j+3 of the 256) and per-lane fp32 scales. An item's dot is vpmaddubsw of c[j] with four
+ * of its int8 activations broadcast to every lane (unsigned codes times signed activations, pairs
+ * summed to int16), so one decoded register serves every item of the batch. Without vpdpbusd the int16
+ * pairs must be widened (vpmaddwd by ones); to widen less often, a run of RUN(kind) dwords is summed in
+ * int16 first, as long as the sum cannot overflow: |pair| <= 2 * 127 * (largest code), so a run of R is
+ * safe while 254 * cmax * R <= 32767:
+ *   Q4_K (codes 0..15): R = 8 (30480);  Q5_K (0..31): R = 4 (31496);  Q6_K (0..63): R = 2 (32004).
+ * IQ4_XS's signed table values keep |w| as the unsigned operand and give x w's sign (vpsignb):
+ * |pair| <= 2 * 127 * 127, R = 1, and no offset is needed.
+ *
+ * Per (row, item), per scaled unit u of a super-block (a 32-weight group; Q6_K: a 16-weight chunk), in order:
+ *   f = float(integer dot of unit u)                          (exact: every dot is below 2^24)
+ *   Q6_K:            s += (f - 32 s16_u) * (sc_u * dx_(u/2))
+ *   Q4_K, Q5_K:      s += f * (sc_u * dx_u);  s -= mn_u * xs_u
+ *   IQ4_XS:          s += f * (sc_u * dx_u)
+ * the same sequence at any batch. A pass with a single item (batch 1) does not store the decoded codes:
+ * each goes straight into the item's vpmaddubsw (emit8 / Fuse8), and the integer dots are the same, so
+ * the floats are too: a row is bit-identical alone and in a batch.
+ *
+ * Block layouts: facts from GGML's format (ggml-common.h); the code is written here.
+ */
+#include <immintrin.h>
+
+#include "kquant_i8.h"
+#include "simd.h"
+#include <stdint.h>
+#include <string.h>
+
+#define ALWAYS __attribute__((always_inline))
+#define IT8 4     /* items whose int16 and fp32 accumulators a pass over a decoded tile keeps in registers (16 ymm) */
+#define CHUNK8 64 /* items per pass over the weights: their activations stay in L2 while each tile meets them */
+
+#define RUN(kind) ((kind) == 0 ? 8 : (kind) == 5 ? 4 : (kind) == 1 ? 2 : 1)
+#define UNIT(kind) ((kind) == 1 ? 4 : 8) /* dwords per scaled unit */
+#define SIGNED(kind) ((kind) == 4)       /* IQ4_XS */
+
+typedef struct {
+    __m256i c[64]; /* c[j] lane r = row r's weights 4j..4j+3: unsigned codes (IQ4_XS: |w|) */
+    __m256i w[64]; /* IQ4_XS: the signed codes (their signs) */
+    __m256 sc[16]; /* per unit scale, lane r = row r */
+    __m256 mn[8];  /* Q4_K, Q5_K: per group dmin m */
+} Tile8;
+
+/* One item meeting the codes as they are decoded: r16 the open int16 runs, d[u] the units' int32 dots. */
+typedef struct {
+    __m256i r16[64];
+    __m256i d[16];
+    const int8_t *q; /* the item's 256 activations of this block */
+} Fuse8;
+
+static inline __m256i bcast4(const int8_t *p) { /* four activations in every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* The codes of dword j: kept for a pass over the items, or (f) dotted at once with f's item. */
+static inline ALWAYS void emit8(const int kind, Tile8 *t, Fuse8 *f, const int j, __m256i c, __m256i w) {
+    if (!f) {
+        t->c[j] = c;
+        if (SIGNED(kind)) t->w[j] = w;
+        return;
+    }
+    __m256i x = bcast4(f->q + 4 * j);
+    if (SIGNED(kind)) x = _mm256_sign_epi8(x, w);
+    const __m256i p = _mm256_maddubs_epi16(c, x);
+    /* every decoder emits a run's first dword first and its last dword last */
+    const int r = j / RUN(kind), pos = j % RUN(kind), u = j / UNIT(kind);
+    f->r16[r] = pos ? _mm256_add_epi16(f->r16[r], p) : p;
+    if (pos == RUN(kind) - 1) f->d[u] = _mm256_add_epi32(f->d[u], _mm256_madd_epi16(f->r16[r], _mm256_set1_epi16(1)));
+}
+
+/* T[j] lane r = dword j of the 32 bytes at rows[r] + off (an 8 x 8 transpose of 32-bit elements). */
+static inline ALWAYS void transpose8(const uint8_t *const *rows, long off, __m256i T[8]) {
+    __m256i r[8], a[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(rows[i] + off));
+    for (int i = 0; i < 4; i++) { /* 128-bit lane L: rows 2i, 2i + 1's dwords 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi) */
+        a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* r[4i + c] lane L: rows 4i..4i+3's dword 4L + c */
+        r[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        r[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        r[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        r[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        T[c] = _mm256_permute2x128_si256(r[c], r[4 + c], 0x20);
+        T[4 + c] = _mm256_permute2x128_si256(r[c], r[4 + c], 0x31);
+    }
+}
+
+static inline __m256 lanes_f16(__m256i v, int high) { /* the fp16 in the low (high: upper) 16 bits of each lane */
+    const __m256i w = _mm256_and_si256(high ? _mm256_srli_epi32(v, 16) : v, _mm256_set1_epi32(0xffff));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
+
+static inline __m256 byte_u(__m256i v, int k) { /* byte k of each lane, zero-extended, as fp32 */
+    return _mm256_cvtepi32_ps(k == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(255)));
+}
+
+/* Super-block b of a block kind (0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K) for 8 rows -> t (or f), a transposed
+ * span of 32 bytes at a time (each span read whole: every offset + 32 <= the block's bytes). */
+static inline ALWAYS void decode8(const int kind, const uint8_t *const *rows, long b, Tile8 *t, Fuse8 *f) {
+    const long base = (long)b * super_bytes(kind);
+    const __m256i n4 = _mm256_set1_epi8(15);
+    __m256i H[8], T[8];
+    if (kind == 0 || kind == 5) { /* d, dmin; 12 bytes of 6-bit scales and mins; Q5_K: 32 bytes of fifth bits */
+        transpose8(rows, base, H);
+        const __m256 d = lanes_f16(H[0], 0), dmin = lanes_f16(H[0], 1);
+        /* kformat.h's k4_scales_mins lane-wise: scales 0-3, scales 4-7, mins 0-3, mins 4-7 */
+        const __m256i u0 = H[1], u1 = H[2], u2 = H[3], lo6 = _mm256_set1_epi8(0x3f), top2 = _mm256_set1_epi8(0x30);
+        const __m256i q[4] = {_mm256_and_si256(u0, lo6),
+                              _mm256_or_si256(_mm256_and_si256(u2, n4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), top2)),
+                              _mm256_and_si256(u1, lo6),
+                              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), n4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), top2))};
+        for (int g = 0; g < 8; g++) {
+            t->sc[g] = _mm256_mul_ps(d, byte_u(q[g / 4], g % 4));
+            t->mn[g] = _mm256_mul_ps(dmin, byte_u(q[2 + g / 4], g % 4));
+        }
+        __m256i QH[8];
+        if (kind == 5) transpose8(rows, base + 16, QH);
+        const __m256i one = _mm256_set1_epi8(1);
+#pragma GCC unroll 4
+        for (int jj = 0; jj < 4; jj++) { /* 32 bytes per 64 weights: low nibbles weights 64jj + l, high 64jj + 32 + l */
+            transpose8(rows, base + (kind == 5 ? 48 : 16) + 32 * jj, T);
+#pragma GCC unroll 8
+            for (int e = 0; e < 8; e++) {
+                __m256i lo = _mm256_and_si256(T[e], n4), hi = _mm256_and_si256(_mm256_srli_epi32(T[e], 4), n4);
+                if (kind == 5) { /* bit 2jj (2jj + 1) of qh's byte l: weight 64jj + l's (64jj + 32 + l's) fifth bit */
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(QH[e], 2 * jj), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(QH[e], 2 * jj + 1), one), 4));
+                }
+                emit8(kind, t, f, 16 * jj + e, lo, lo);
+                emit8(kind, t, f, 16 * jj + 8 + e, hi, hi);
+            }
+        }
+    } else if (kind == 1) { /* Q6_K: 128 bytes low nibbles, 64 bytes high pairs, 16 int8 scales, d */
+        transpose8(rows, base + 176, H); /* dwords 4..7: the scales */
+        uint16_t dh[8];
+        for (int r = 0; r < 8; r++) memcpy(dh + r, rows[r] + base + 208, 2);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+        for (int c = 0; c < 16; c++) /* byte c of the scales, sign-extended */
+            t->sc[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(H[4 + c / 4], 24 - 8 * (c % 4)), 24)));
+        const __m256i top2 = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i QH[8];
+            transpose8(rows, base + 128 + 32 * h, QH);
+#pragma GCC unroll 2
+            for (int second = 0; second < 2; second++) { /* ql[l] (ql[l + 32]) with qh[l] -> weights 128h + l, + 64 (+ 32) */
+                transpose8(rows, base + 64 * h + 32 * second, T);
+#pragma GCC unroll 8
+                for (int e = 0; e < 8; e++) { /* each code: 4 low bits from ql, bits 4-5 from its pair of qh moved there */
+                    const __m256i lo_hi2 = second ? _mm256_slli_epi32(QH[e], 2) : _mm256_slli_epi32(QH[e], 4);
+                    const __m256i hi_hi2 = second ? _mm256_srli_epi32(QH[e], 2) : QH[e];
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(T[e], n4), _mm256_and_si256(lo_hi2, top2));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(T[e], 4), n4), _mm256_and_si256(hi_hi2, top2));
+                    emit8(kind, t, f, 32 * h + 8 * second + e, lo, lo);
+                    emit8(kind, t, f, 32 * h + 16 + 8 * second + e, hi, hi);
+                }
+            }
+        }
+    } else { /* IQ4_XS: d, 16 bits of high scale bits, 4 bytes of low scale nibbles, 128 bytes of indices */
+        transpose8(rows, base, H);
+        const __m256 d = lanes_f16(H[0], 0);
+        for (int g = 0; g < 8; g++) {
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(H[1], 8 * (g / 2) + 4 * (g % 2)), _mm256_set1_epi32(15));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(H[0], 16 + 2 * g), _mm256_set1_epi32(3));
+            t->sc[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32))));
+        }
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE)), abs = _mm256_abs_epi8(table);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            transpose8(rows, base + 8 + 32 * s, T);
+#pragma GCC unroll 8
+            for (int e = 0; e < 8; e++) { /* 16 bytes per group: low nibbles weights 32g + l, high 32g + 16 + l */
+                const int g = 2 * s + e / 4;
+                const __m256i lo = _mm256_and_si256(T[e], n4), hi = _mm256_and_si256(_mm256_srli_epi32(T[e], 4), n4);
+                emit8(kind, t, f, 8 * g + e % 4, _mm256_shuffle_epi8(abs, lo), _mm256_shuffle_epi8(table, lo));
+                emit8(kind, t, f, 8 * g + 4 + e % 4, _mm256_shuffle_epi8(abs, hi), _mm256_shuffle_epi8(table, hi));
+            }
+        }
+    }
+}
+
+/* Item a's fp32 step for unit u of block b (the header's sequence), given the unit's integer dot. */
+static inline ALWAYS __m256 unit_float(const int kind, __m256i dot, const Tile8 *t, const Act *a, long b, int u, __m256 s) {
+    const __m256 f = _mm256_cvtepi32_ps(dot);
+    if (kind == 1) {
+        const __m256 g = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), _mm256_set1_ps(a->s16[16 * b + u]), f);
+        return _mm256_fmadd_ps(g, _mm256_mul_ps(t->sc[u], _mm256_set1_ps(a->dx[8 * b + u / 2])), s);
+    }
+    s = _mm256_fmadd_ps(f, _mm256_mul_ps(t->sc[u], _mm256_set1_ps(a->dx[8 * b + u])), s);
+    return kind == 4 ? s : _mm256_fnmadd_ps(t->mn[u], _mm256_set1_ps(a->xs[8 * b + u]), s);
+}
+
+/* Items [i0, i0 + nb) meet the decoded tile of super-block b: acc[i] (8 rows of item i0 + i) += their
+ * contribution. With fz (nb = 1) the units' integer dots are already made. */
+static inline ALWAYS void items8(const int kind, const Tile8 *t, const Fuse8 *fz, const uint8_t *act, long K, long b,
+                                 float *acc, int i0, const int nb) {
+    const int R = RUN(kind), U = UNIT(kind);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 s[IT8];
+    Act a[IT8];
+    for (int i = 0; i < nb; i++) s[i] = _mm256_loadu_ps(acc + 8 * i), a[i] = act_at(act, K, i0 + i);
+    for (int u = 0; u < 64 / U; u++) {
+        __m256i dot[IT8];
+        if (fz) {
+            dot[0] = fz->d[u];
+        } else {
+            for (int i = 0; i < nb; i++) dot[i] = _mm256_setzero_si256();
+            for (int j0 = U * u; j0 < U * u + U; j0 += R) {
+                __m256i r16[IT8];
+                for (int j = j0; j < j0 + R; j++)
+                    for (int i = 0; i < nb; i++) {
+                        __m256i x = bcast4(a[i].q + 256 * b + 4 * j);
+                        if (SIGNED(kind)) x = _mm256_sign_epi8(x, t->w[j]);
+                        const __m256i p = _mm256_maddubs_epi16(t->c[j], x);
+                        r16[i] = j == j0 ? p : _mm256_add_epi16(r16[i], p);
+                    }
+                for (int i = 0; i < nb; i++) dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(r16[i], ones));
+            }
+        }
+        for (int i = 0; i < nb; i++) s[i] = unit_float(kind, dot[i], t, &a[i], b, u, s[i]);
+    }
+    for (int i = 0; i < nb; i++) _mm256_storeu_ps(acc + 8 * i, s[i]);
+}
+
+#define ITEMS8(k, ...)                                                                               \
+    do {                                                                                             \
+        if (nb == 1) items8(k, __VA_ARGS__, 1);                                                      \
+        else if (nb == 2) items8(k, __VA_ARGS__, 2);                                                 \
+        else if (nb == 3) items8(k, __VA_ARGS__, 3);                                                 \
+        else items8(k, __VA_ARGS__, 4);                                                              \
+    } while (0)
+static void items_pass8(int kind, const Tile8 *t, const uint8_t *act, long K, long b, float *acc, int i0, int nb) {
+    BLOCK_CONST(ITEMS8, kind, t, NULL, act, K, b, acc, i0);
+}
+
+static void decode_any8(int kind, const uint8_t *const *rows, long b, Tile8 *t) {
+    BLOCK_CONST(decode8, kind, rows, b, t, NULL);
+}
+
+/* A pass with one item: the codes go straight into its dots, then its floats. One function per kind
+ * (with every kind inlined into one function, batch 1 took 1.2x the time). */
+static inline ALWAYS void one8_k(const int kind, const uint8_t *const *rows, long b, const uint8_t *act, long K,
+                                 float *acc, int item) {
+    Tile8 t;
+    Fuse8 f;
+    for (int u = 0; u < 16; u++) f.d[u] = _mm256_setzero_si256();
+    f.q = act_at(act, K, item).q + 256 * b;
+    decode8(kind, rows, b, &t, &f);
+    items8(kind, &t, &f, act, K, b, acc, item, 1);
+}
+#define ONE8(k, name)                                                                                \
+    static void name(const uint8_t *const *rows, long b, const uint8_t *act, long K, float *acc, int item) { \
+        one8_k(k, rows, b, act, K, acc, item);                                                       \
+    }
+ONE8(0, one8_q4k)
+ONE8(1, one8_q6k)
+ONE8(4, one8_iq4xs)
+ONE8(5, one8_q5k)
+
+/* Items in chunks of CHUNK8, each chunk meeting every 8-row tile (tiles split among threads); within a
+ * tile each super-block is decoded once and meets the chunk's items IT8 at a time (a chunk of one item:
+ * the one8 pass). A last partial tile repeats row N - 1 and stores only its real rows. */
+static void tiles8(int kind, const uint8_t *codes, const uint8_t *act, long K, int N, int B, float *out, int ld,
+                   int threads) {
+    const int nblk = (int)(K / 256), tiles = (N + 7) / 8;
+    const long row_bytes = (long)nblk * super_bytes(kind);
+    void (*const one)(const uint8_t *const *, long, const uint8_t *, long, float *, int) =
+        kind == 0 ? one8_q4k : kind == 1 ? one8_q6k : kind == 4 ? one8_iq4xs : one8_q5k;
+    for (int c0 = 0; c0 < B; c0 += CHUNK8) {
+        const int nc = B - c0 < CHUNK8 ? B - c0 : CHUNK8;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+        for (int tile = 0; tile < tiles; tile++) {
+            const uint8_t *rows[8];
+            for (int r = 0; r < 8; r++) rows[r] = codes + (8L * tile + r < N ? 8L * tile + r : N - 1) * row_bytes;
+            Tile8 t;
+            float acc[CHUNK8 * 8] __attribute__((aligned(32)));
+            memset(acc, 0, sizeof(float) * 8 * nc);
+            for (long b = 0; b < nblk; b++) {
+                if (tile + 1 < tiles) { /* the next tile's rows in address order, a part per b */
+                    const long rows_next = 8L * tile + 16 <= N ? 8 : N - 8L * tile - 8;
+                    prefetch_part((const char *)(codes + (8L * tile + 8) * row_bytes), rows_next * row_bytes, b, nblk);
+                }
+                if (nc == 1) {
+                    one(rows, b, act, K, acc, c0);
+                    continue;
+                }
+                decode_any8(kind, rows, b, &t);
+                for (int i0 = 0; i0 < nc; i0 += IT8) items_pass8(kind, &t, act, K, b, acc + 8 * i0, c0 + i0, nc - i0 < IT8 ? nc - i0 : IT8);
+            }
+            const int real = N - 8 * tile < 8 ? N - 8 * tile : 8;
+            const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(real), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (int i = 0; i < nc; i++) _mm256_maskstore_ps(out + (long)(c0 + i) * ld + 8L * tile, keep, _mm256_loadu_ps(acc + 8 * i));
+        }
+    }
+}
+
+/* ---- The q4 / q8 layouts (Q4_0, Q4_1; Q8_0, Q5_1) keep rows: their codes need little decoding, so the
+ * tiles' transposes (the codes', and the per-group fp32 scales' and mins') cost more than the reuse
+ * saves at batch 1 (1.12x the rows' time for q4, 1.09x for q8, at 2 threads with the weights coming
+ * from memory). A row's 32 weights at a time: q4 codes . x, q8 |w| . (x with w's sign), per group to
+ * eight int32 lanes; four groups' lanes are added horizontally so that each lane holds one group and one
+ * convert and FMA scale all four (the last G % 4 groups one at a time). Items go T4 at a time past
+ * each row of a run of ROWS8 rows. */
+
+#define T4 4
+#define ROWS8 16 /* rows per task: their weights and a tile of activations stay in L1 / L2 together */
+
+static inline ALWAYS __m256i group_dot(const int q8, __m256i w, __m256i aw, __m256i x) {
+    const __m256i p = q8 ? _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+static inline ALWAYS __m256i layout_codes(const int q8, const uint8_t *row, int g) {
+    return q8 ? _mm256_loadu_si256((const __m256i *)(row + 32L * g)) : nibbles32(row + 16L * g);
+}
+
+static inline ALWAYS void layout_row(const int q8, const uint8_t *codes, const float *scale, const float *mins, int G,
+                                     const uint8_t *act, long K, float *out, int ld, int n, int b0, const int nb) {
+    const uint8_t *row = codes + (long)n * G * (q8 ? 32 : 16);
+    const float *sr = scale + (long)n * G, *mr = mins ? mins + (long)n * G : NULL;
+    __m256 acc[T4];
+    float off[T4];
+    for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        __m256i w[4], aw[4];
+        for (int i = 0; i < 4; i++) w[i] = layout_codes(q8, row, g + i), aw[i] = q8 ? _mm256_abs_epi8(w[i]) : w[i];
+        const __m128 s4 = _mm_loadu_ps(sr + g);
+        const __m256 mn4 = mr ? _mm256_zextps128_ps256(_mm_loadu_ps(mr + g)) : _mm256_setzero_ps();
+        for (int t = 0; t < nb; t++) {
+            const Act a = act_at(act, K, b0 + t);
+            __m256i d[4];
+            for (int i = 0; i < 4; i++) d[i] = group_dot(q8, w[i], aw[i], _mm256_loadu_si256((const __m256i *)(a.q + 32L * (g + i))));
+            const __m256i quad = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            const __m128 p = _mm_mul_ps(s4, _mm_loadu_ps(a.dx + g)); /* lanes i and i + 4: group g + i's halves */
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad), _mm256_set_m128(p, p), acc[t]);
+            if (mr) acc[t] = _mm256_fmadd_ps(mn4, _mm256_zextps128_ps256(_mm_loadu_ps(a.xs + g)), acc[t]);
+        }
+    }
+    for (; g < G; g++) {
+        const __m256i w = layout_codes(q8, row, g), aw = q8 ? _mm256_abs_epi8(w) : w;
+        for (int t = 0; t < nb; t++) {
+            const Act a = act_at(act, K, b0 + t);
+            const __m256i d = group_dot(q8, w, aw, _mm256_loadu_si256((const __m256i *)(a.q + 32L * g)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sr[g] * a.dx[g]), acc[t]);
+            if (mr) off[t] += mr[g] * a.xs[g];
+        }
+    }
+    for (int t = 0; t < nb; t++) out[(long)(b0 + t) * ld + n] = hsum8(acc[t]) + off[t];
+}
+
+/* layout_row with q8 and the item count constants (the accumulators then stay in registers) */
+#define LAYOUT_ROW(q8)                                                                               \
+    do {                                                                                             \
+        if (nb == 1) layout_row(q8, codes, scale, mins, G, act, K, out, ld, n, b0, 1);               \
+        else if (nb == 2) layout_row(q8, codes, scale, mins, G, act, K, out, ld, n, b0, 2);          \
+        else if (nb == 3) layout_row(q8, codes, scale, mins, G, act, K, out, ld, n, b0, 3);          \
+        else layout_row(q8, codes, scale, mins, G, act, K, out, ld, n, b0, 4);                       \
+    } while (0)
+static void layout_rows(int q8, const uint8_t *codes, const float *scale, const float *mins, long K, int N, int B,
+                        const uint8_t *act, float *out, int ld, int threads) {
+    const int runs = (N + ROWS8 - 1) / ROWS8, G = (int)(K / 32);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int r = 0; r < runs; r++) {
+        const int n1 = (r + 1) * ROWS8 < N ? (r + 1) * ROWS8 : N;
+        for (int b0 = 0; b0 < B; b0 += T4)
+            for (int n = r * ROWS8; n < n1; n++) {
+                const int nb = B - b0 < T4 ? B - b0 : T4;
+                if (q8) LAYOUT_ROW(1);
+                else LAYOUT_ROW(0);
+            }
+    }
+}
+
+void quill_i8_tiles_avx2(int kind, const uint8_t *codes, const float *scale, const float *mins, const uint8_t *act,
+                         long K, int N, int B, float *out, int ld, int threads) {
+    if (kind >= LAYOUT_Q4) layout_rows(kind == LAYOUT_Q8, codes, scale, mins, K, N, B, act, out, ld, threads);
+    else tiles8(kind, codes, act, K, N, B, out, ld, threads);
+}
