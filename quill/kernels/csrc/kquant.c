@@ -24,7 +24,9 @@
  * On AVX-512 CPUs with VNNI (isa 512), Q4_K, Q5_K, Q6_K and IQ4_XS take kquant_i8.c's tiles instead, at
  * every batch (quill_gemv_tiles_f32: 16 rows decoded at once, each code register reused by every item;
  * x stays fp32): in an interleaved benchmark 0.74-1.01x the rows' time at batch 1, about 0.5x from
- * batch 4 up. The rows below serve the other kinds, AVX2, and AVX-512 without VNNI.
+ * batch 4 up. With isa 256 (AVX2) the same kinds take kquant_i8_avx2.c's 8-row tiles
+ * (quill_gemv_tiles_f32_avx2): 0.75-0.85x the rows' time at batch 1, 0.68-0.73x at batch 16. The rows
+ * below serve the other kinds, and AVX-512 without VNNI.
  *
  * Block layouts are facts from GGML's format (ggml-common.h block_q2_K .. block_q6_K and the
  * reference dequantize_row_q2_K .. _q6_K); the code is written here.
@@ -44,6 +46,7 @@
 
 int quill_isa_used(int isa);
 int quill_gemv_tiles_f32(int, const uint8_t *, const float *, float *, float *, int, int, int, int, int);
+int quill_gemv_tiles_f32_avx2(int, const uint8_t *, const float *, const float *, float *, int, int, int, int, int);
 
 
 /* Q4_K's 6-bit scale and min of group j (0..7) from its 12 packed bytes. */
@@ -526,6 +529,8 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
         kq_group_sums(x, xs, B, K, 32);
     if (wide && quill_gemv_tiles_f32(kind, blocks, x, xs, out, N, K, B, ld, threads) == 0)
         return; /* VNNI CPUs: the tiles of kquant_i8.c for the kinds they take */
+    if (!wide && quill_gemv_tiles_f32_avx2(kind, blocks, x, xs, out, N, K, B, ld, threads) == 0)
+        return; /* AVX2: kquant_i8_avx2.c's 8-row tiles for the same kinds */
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = blocks + (long)n * row_bytes;

@@ -24,6 +24,9 @@
  * each goes straight into the item's vpmaddubsw (emit8 / Fuse8), and the integer dots are the same, so
  * the floats are too: a row is bit-identical alone and in a batch.
  *
+ * The exact path (fp32 activations) of the same kinds reuses the tiles' decode: quill_gemv_tiles_f32_avx2,
+ * further below.
+ *
  * Block layouts: facts from GGML's format (ggml-common.h); the code is written here.
  */
 #include <immintrin.h>
@@ -48,12 +51,32 @@ typedef struct {
     __m256 mn[8];  /* Q4_K, Q5_K: per group dmin m */
 } Tile8;
 
-/* One item meeting the codes as they are decoded: r16 the open int16 runs, d[u] the units' int32 dots. */
+/* One item meeting the codes as they are decoded: r16 the open int16 runs, d[u] the units' int32 dots;
+ * with fp32 activations (fp, the exact path), fd[c] the 16-weight chunks' fp32 dots. */
 typedef struct {
-    __m256i r16[64];
-    __m256i d[16];
-    const int8_t *q; /* the item's 256 activations of this block */
+    int fp; /* a constant where made */
+    union {
+        struct {
+            __m256i r16[64];
+            __m256i d[16];
+        };
+        __m256 fd[16];
+    };
+    const int8_t *q; /* the item's 256 activations of this block (int8) */
+    const float *x;  /* (fp32) */
 } Fuse8;
+
+/* Byte b of each lane of v as fp32: unsigned codes (Q4_K, Q5_K), or sign-extended (IQ4_XS's table values,
+ * Q6_K's q - 32: signed_codes8 makes them). */
+static inline ALWAYS __m256 code_f32_8(const int kind, __m256i v, const int b) {
+    if (kind == 1 || kind == 4) return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24));
+    return _mm256_cvtepi32_ps(b == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * b), _mm256_set1_epi32(255)));
+}
+
+/* The format's own codes of a dword: Q6_K q - 32 (a byte subtraction), IQ4_XS the table values. */
+static inline ALWAYS __m256i signed_codes8(const int kind, __m256i c, __m256i w) {
+    return kind == 4 ? w : kind == 1 ? _mm256_sub_epi8(c, _mm256_set1_epi8(32)) : c;
+}
 
 static inline __m256i bcast4(const int8_t *p) { /* four activations in every lane */
     int32_t v;
@@ -66,6 +89,11 @@ static inline ALWAYS void emit8(const int kind, Tile8 *t, Fuse8 *f, const int j,
     if (!f) {
         t->c[j] = c;
         if (SIGNED(kind)) t->w[j] = w;
+        return;
+    }
+    if (f->fp) { /* four FMAs into the chunk's dot, in the order of the weights */
+        const __m256i v = signed_codes8(kind, c, w);
+        for (int b = 0; b < 4; b++) f->fd[j / 4] = _mm256_fmadd_ps(code_f32_8(kind, v, b), _mm256_set1_ps(f->x[4 * j + b]), f->fd[j / 4]);
         return;
     }
     __m256i x = bcast4(f->q + 4 * j);
@@ -255,6 +283,7 @@ static inline ALWAYS void one8_k(const int kind, const uint8_t *const *rows, lon
                                  float *acc, int item) {
     Tile8 t;
     Fuse8 f;
+    f.fp = 0;
     for (int u = 0; u < 16; u++) f.d[u] = _mm256_setzero_si256();
     f.q = act_at(act, K, item).q + 256 * b;
     decode8(kind, rows, b, &t, &f);
@@ -304,6 +333,127 @@ static void tiles8(int kind, const uint8_t *codes, const uint8_t *act, long K, i
             for (int i = 0; i < nc; i++) _mm256_maskstore_ps(out + (long)(c0 + i) * ld + 8L * tile, keep, _mm256_loadu_ps(acc + 8 * i));
         }
     }
+}
+
+/* ---- Exact fp32 activations on the same tiles (kquant.c's GEMV of the block kinds with isa 256): the
+ * decoded codes become fp32 lanes (the format's own codes, signed where its weights are), so weight =
+ * scale * code - min is the file's own and x is never rounded. Per (row, item), per 16-weight chunk c
+ * of a super-block, the dot d_c = sum over the chunk's weights in order of code * x (FMAs from zero);
+ * then per group (Q6_K: per chunk) s += (d_2g + d_2g+1) * sc_g (Q6_K: d_c * sc_c), and for Q4_K / Q5_K
+ * s -= mn_g * xs_g (xs: the group's sum of x, made by kquant.c). The same sequence at any batch: a
+ * pass with one item fuses decode and FMAs, larger batches go through the tile's codes as fp32. */
+
+#define FCHUNK8 16 /* items per pass over the weights: their fp32 rows stay in L2 */
+
+/* s after super-block b's scales, given its 16 chunk dots d (one item; xs: its group sums of the block). */
+static inline ALWAYS __m256 chunk_floats(const int kind, const Tile8 *t, const __m256 *d, const float *xs, __m256 s) {
+    if (kind == 1) {
+        for (int c = 0; c < 16; c++) s = _mm256_fmadd_ps(d[c], t->sc[c], s);
+        return s;
+    }
+    for (int g = 0; g < 8; g++) {
+        s = _mm256_fmadd_ps(_mm256_add_ps(d[2 * g], d[2 * g + 1]), t->sc[g], s);
+        if (kind != 4) s = _mm256_fnmadd_ps(t->mn[g], _mm256_set1_ps(xs[g]), s);
+    }
+    return s;
+}
+
+/* One item (x: its K fp32 inputs; xs its K / 32 group sums) through super-block b, decoded as it goes. */
+static inline ALWAYS void one8_f32_k(const int kind, const uint8_t *const *rows, long b, const float *x, const float *xs,
+                                     float *acc) {
+    Tile8 t;
+    Fuse8 f;
+    f.fp = 1;
+    for (int c = 0; c < 16; c++) f.fd[c] = _mm256_setzero_ps();
+    f.x = x + 256 * b;
+    decode8(kind, rows, b, &t, &f);
+    _mm256_storeu_ps(acc, chunk_floats(kind, &t, f.fd, xs + 8 * b, _mm256_loadu_ps(acc)));
+}
+#define ONE8_F32(k, name)                                                                            \
+    static void name(const uint8_t *const *rows, long b, const float *x, const float *xs, float *acc) { \
+        one8_f32_k(k, rows, b, x, xs, acc);                                                          \
+    }
+ONE8_F32(0, one8_f32_q4k)
+ONE8_F32(1, one8_f32_q6k)
+ONE8_F32(4, one8_f32_iq4xs)
+ONE8_F32(5, one8_f32_q5k)
+
+/* Items [i0, i0 + nb) meet super-block b's codes as fp32 (F[k] lane r = row r's code k). */
+static inline ALWAYS void ftiles8_items(const int kind, const Tile8 *t, const __m256 *F, const float *x, const float *xs,
+                                        long K, long b, float *acc, int i0, const int nb) {
+    __m256 s[IT8], d[IT8][16];
+    for (int c = 0; c < 16; c++) {
+        for (int i = 0; i < nb; i++) d[i][c] = _mm256_setzero_ps();
+        for (int k = 16 * c; k < 16 * c + 16; k++)
+            for (int i = 0; i < nb; i++) d[i][c] = _mm256_fmadd_ps(F[k], _mm256_set1_ps(x[(long)(i0 + i) * K + 256 * b + k]), d[i][c]);
+    }
+    for (int i = 0; i < nb; i++) {
+        s[i] = chunk_floats(kind, t, d[i], xs + (long)(i0 + i) * (K / 32) + 8 * b, _mm256_loadu_ps(acc + 8 * i));
+        _mm256_storeu_ps(acc + 8 * i, s[i]);
+    }
+}
+
+#define FITEMS8(k, ...)                                                                              \
+    do {                                                                                             \
+        if (nb == 1) ftiles8_items(k, __VA_ARGS__, 1);                                               \
+        else if (nb == 2) ftiles8_items(k, __VA_ARGS__, 2);                                          \
+        else if (nb == 3) ftiles8_items(k, __VA_ARGS__, 3);                                          \
+        else ftiles8_items(k, __VA_ARGS__, 4);                                                       \
+    } while (0)
+static void fitems_pass8(int kind, const Tile8 *t, const __m256 *F, const float *x, const float *xs, long K, long b,
+                         float *acc, int i0, int nb) {
+    BLOCK_CONST(FITEMS8, kind, t, F, x, xs, K, b, acc, i0);
+}
+
+/* The decoded tile's codes as fp32. */
+static inline ALWAYS void tile_floats8_k(const int kind, const Tile8 *t, __m256 *F) {
+    for (int j = 0; j < 64; j++) {
+        const __m256i v = signed_codes8(kind, t->c[j], SIGNED(kind) ? t->w[j] : t->c[j]);
+        for (int b = 0; b < 4; b++) F[4 * j + b] = code_f32_8(kind, v, b);
+    }
+}
+static void tile_floats8(int kind, const Tile8 *t, __m256 *F) { BLOCK_CONST(tile_floats8_k, kind, t, F); }
+
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T with x in fp32 (the exact path), W in a block kind (0 Q4_K,
+ * 1 Q6_K, 4 IQ4_XS, 5 Q5_K; K a multiple of 256); xs: each item's K / 32 sums of x per 32 weights.
+ * Returns 0, or -1 (nothing written) for other kinds, for kquant.c to run its rows. */
+int quill_gemv_tiles_f32_avx2(int kind, const uint8_t *blocks, const float *x, const float *xs, float *out, int N, int K,
+                              int B, int ld, int threads) {
+    if (!(kind == 0 || kind == 1 || kind == 4 || kind == 5) || K % 256) return -1;
+    const int nblk = K / 256, tiles = (N + 7) / 8;
+    const long row_bytes = (long)nblk * super_bytes(kind);
+    void (*const one)(const uint8_t *const *, long, const float *, const float *, float *) =
+        kind == 0 ? one8_f32_q4k : kind == 1 ? one8_f32_q6k : kind == 4 ? one8_f32_iq4xs : one8_f32_q5k;
+    for (int c0 = 0; c0 < B; c0 += FCHUNK8) {
+        const int nc = B - c0 < FCHUNK8 ? B - c0 : FCHUNK8;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+        for (int tile = 0; tile < tiles; tile++) {
+            const uint8_t *rows[8];
+            for (int r = 0; r < 8; r++) rows[r] = blocks + (8L * tile + r < N ? 8L * tile + r : N - 1) * row_bytes;
+            Tile8 t;
+            __m256 F[256];
+            float acc[FCHUNK8 * 8] __attribute__((aligned(32)));
+            memset(acc, 0, sizeof(float) * 8 * nc);
+            for (long b = 0; b < nblk; b++) {
+                if (tile + 1 < tiles) {
+                    const long rows_next = 8L * tile + 16 <= N ? 8 : N - 8L * tile - 8;
+                    prefetch_part((const char *)(blocks + (8L * tile + 8) * row_bytes), rows_next * row_bytes, b, nblk);
+                }
+                if (nc == 1) {
+                    one(rows, b, x + (long)c0 * K, xs + (long)c0 * (K / 32), acc);
+                    continue;
+                }
+                decode_any8(kind, rows, b, &t);
+                tile_floats8(kind, &t, F);
+                for (int i0 = 0; i0 < nc; i0 += IT8)
+                    fitems_pass8(kind, &t, F, x, xs, K, b, acc + 8 * i0, c0 + i0, nc - i0 < IT8 ? nc - i0 : IT8);
+            }
+            const int real = N - 8 * tile < 8 ? N - 8 * tile : 8;
+            const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(real), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (int i = 0; i < nc; i++) _mm256_maskstore_ps(out + (long)(c0 + i) * ld + 8L * tile, keep, _mm256_loadu_ps(acc + 8 * i));
+        }
+    }
+    return 0;
 }
 
 /* ---- The q4 / q8 layouts (Q4_0, Q4_1; Q8_0, Q5_1) keep rows: their codes need little decoding, so the
