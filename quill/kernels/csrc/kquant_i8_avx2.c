@@ -262,13 +262,15 @@ static inline ALWAYS void items8(const int kind, const Tile8 *t, const Fuse8 *fz
     for (int i = 0; i < nb; i++) _mm256_storeu_ps(acc + 8 * i, s[i]);
 }
 
-#define ITEMS8(k, ...)                                                                               \
+/* F(args..., nb) with nb a constant 1..4 (IT8 items per pass: the accumulators then stay in registers) */
+#define NB4(F, ...)                                                                                  \
     do {                                                                                             \
-        if (nb == 1) items8(k, __VA_ARGS__, 1);                                                      \
-        else if (nb == 2) items8(k, __VA_ARGS__, 2);                                                 \
-        else if (nb == 3) items8(k, __VA_ARGS__, 3);                                                 \
-        else items8(k, __VA_ARGS__, 4);                                                              \
+        if (nb == 1) F(__VA_ARGS__, 1);                                                              \
+        else if (nb == 2) F(__VA_ARGS__, 2);                                                         \
+        else if (nb == 3) F(__VA_ARGS__, 3);                                                         \
+        else F(__VA_ARGS__, 4);                                                                      \
     } while (0)
+#define ITEMS8(k, ...) NB4(items8, k, __VA_ARGS__)
 static void items_pass8(int kind, const Tile8 *t, const uint8_t *act, long K, long b, float *acc, int i0, int nb) {
     BLOCK_CONST(ITEMS8, kind, t, NULL, act, K, b, acc, i0);
 }
@@ -393,13 +395,7 @@ static inline ALWAYS void ftiles8_items(const int kind, const Tile8 *t, const __
     }
 }
 
-#define FITEMS8(k, ...)                                                                              \
-    do {                                                                                             \
-        if (nb == 1) ftiles8_items(k, __VA_ARGS__, 1);                                               \
-        else if (nb == 2) ftiles8_items(k, __VA_ARGS__, 2);                                          \
-        else if (nb == 3) ftiles8_items(k, __VA_ARGS__, 3);                                          \
-        else ftiles8_items(k, __VA_ARGS__, 4);                                                       \
-    } while (0)
+#define FITEMS8(k, ...) NB4(ftiles8_items, k, __VA_ARGS__)
 static void fitems_pass8(int kind, const Tile8 *t, const __m256 *F, const float *x, const float *xs, long K, long b,
                          float *acc, int i0, int nb) {
     BLOCK_CONST(FITEMS8, kind, t, F, x, xs, K, b, acc, i0);
@@ -512,13 +508,7 @@ static inline ALWAYS void layout_row(const int q8, const uint8_t *codes, const f
 }
 
 /* layout_row with q8 and the item count constants (the accumulators then stay in registers) */
-#define LAYOUT_ROW(q8)                                                                               \
-    do {                                                                                             \
-        if (nb == 1) layout_row(q8, codes, scale, mins, G, act, K, out, ld, n, b0, 1);               \
-        else if (nb == 2) layout_row(q8, codes, scale, mins, G, act, K, out, ld, n, b0, 2);          \
-        else if (nb == 3) layout_row(q8, codes, scale, mins, G, act, K, out, ld, n, b0, 3);          \
-        else layout_row(q8, codes, scale, mins, G, act, K, out, ld, n, b0, 4);                       \
-    } while (0)
+#define LAYOUT_ROW(q8) NB4(layout_row, q8, codes, scale, mins, G, act, K, out, ld, n, b0)
 static void layout_rows(int q8, const uint8_t *codes, const float *scale, const float *mins, long K, int N, int B,
                         const uint8_t *act, float *out, int ld, int threads) {
     const int runs = (N + ROWS8 - 1) / ROWS8, G = (int)(K / 32);
