@@ -300,43 +300,6 @@ ONE8(1, one8_q6k)
 ONE8(4, one8_iq4xs)
 ONE8(5, one8_q5k)
 
-/* Items in chunks of CHUNK8, each chunk meeting every 8-row tile (tiles split among threads); within a
- * tile each super-block is decoded once and meets the chunk's items IT8 at a time (a chunk of one item:
- * the one8 pass). A last partial tile repeats row N - 1 and stores only its real rows. */
-static void tiles8(int kind, const uint8_t *codes, const uint8_t *act, long K, int N, int B, float *out, int ld,
-                   int threads) {
-    const int nblk = (int)(K / 256), tiles = (N + 7) / 8;
-    const long row_bytes = (long)nblk * super_bytes(kind);
-    void (*const one)(const uint8_t *const *, long, const uint8_t *, long, float *, int) =
-        kind == 0 ? one8_q4k : kind == 1 ? one8_q6k : kind == 4 ? one8_iq4xs : one8_q5k;
-    for (int c0 = 0; c0 < B; c0 += CHUNK8) {
-        const int nc = B - c0 < CHUNK8 ? B - c0 : CHUNK8;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-        for (int tile = 0; tile < tiles; tile++) {
-            const uint8_t *rows[8];
-            for (int r = 0; r < 8; r++) rows[r] = codes + (8L * tile + r < N ? 8L * tile + r : N - 1) * row_bytes;
-            Tile8 t;
-            float acc[CHUNK8 * 8] __attribute__((aligned(32)));
-            memset(acc, 0, sizeof(float) * 8 * nc);
-            for (long b = 0; b < nblk; b++) {
-                if (tile + 1 < tiles) { /* the next tile's rows in address order, a part per b */
-                    const long rows_next = 8L * tile + 16 <= N ? 8 : N - 8L * tile - 8;
-                    prefetch_part((const char *)(codes + (8L * tile + 8) * row_bytes), rows_next * row_bytes, b, nblk);
-                }
-                if (nc == 1) {
-                    one(rows, b, act, K, acc, c0);
-                    continue;
-                }
-                decode_any8(kind, rows, b, &t);
-                for (int i0 = 0; i0 < nc; i0 += IT8) items_pass8(kind, &t, act, K, b, acc + 8 * i0, c0 + i0, nc - i0 < IT8 ? nc - i0 : IT8);
-            }
-            const int real = N - 8 * tile < 8 ? N - 8 * tile : 8;
-            const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(real), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            for (int i = 0; i < nc; i++) _mm256_maskstore_ps(out + (long)(c0 + i) * ld + 8L * tile, keep, _mm256_loadu_ps(acc + 8 * i));
-        }
-    }
-}
-
 /* ---- Exact fp32 activations on the same tiles (kquant.c's GEMV of the block kinds with isa 256): the
  * decoded codes become fp32 lanes (the format's own codes, signed where its weights are), so weight =
  * scale * code - min is the file's own and x is never rounded. Per (row, item), per 16-weight chunk c
@@ -410,45 +373,61 @@ static inline ALWAYS void tile_floats8_k(const int kind, const Tile8 *t, __m256 
 }
 static void tile_floats8(int kind, const Tile8 *t, __m256 *F) { BLOCK_CONST(tile_floats8_k, kind, t, F); }
 
-/* out (B, ld) columns [0, N) = x (B, K) @ W.T with x in fp32 (the exact path), W in a block kind (0 Q4_K,
- * 1 Q6_K, 4 IQ4_XS, 5 Q5_K; K a multiple of 256); xs: each item's K / 32 sums of x per 32 weights.
- * Returns 0, or -1 (nothing written) for other kinds, for kquant.c to run its rows. */
-int quill_gemv_tiles_f32_avx2(int kind, const uint8_t *blocks, const float *x, const float *xs, float *out, int N, int K,
-                              int B, int ld, int threads) {
-    if (!(kind == 0 || kind == 1 || kind == 4 || kind == 5) || K % 256) return -1;
-    const int nblk = K / 256, tiles = (N + 7) / 8;
+/* Both paths' driver, W in a block kind: int8 activations (act) or fp32 ones (x, xs; act NULL). Items in
+ * chunks (CHUNK8 int8, FCHUNK8 fp32), each chunk meeting every 8-row tile (tiles split among threads);
+ * within a tile each super-block is decoded once and meets the chunk's items IT8 at a time (fp32: through
+ * the codes as fp32, F), or a chunk of one item takes the fused pass. A last partial tile repeats row
+ * N - 1 and stores only its real rows. */
+static void tiles8(int kind, const uint8_t *codes, const uint8_t *act, const float *x, const float *xs, long K, int N,
+                   int B, float *out, int ld, int threads) {
+    const int nblk = (int)(K / 256), tiles = (N + 7) / 8, per_pass = x ? FCHUNK8 : CHUNK8;
     const long row_bytes = (long)nblk * super_bytes(kind);
-    void (*const one)(const uint8_t *const *, long, const float *, const float *, float *) =
+    void (*const one)(const uint8_t *const *, long, const uint8_t *, long, float *, int) =
+        kind == 0 ? one8_q4k : kind == 1 ? one8_q6k : kind == 4 ? one8_iq4xs : one8_q5k;
+    void (*const one_f32)(const uint8_t *const *, long, const float *, const float *, float *) =
         kind == 0 ? one8_f32_q4k : kind == 1 ? one8_f32_q6k : kind == 4 ? one8_f32_iq4xs : one8_f32_q5k;
-    for (int c0 = 0; c0 < B; c0 += FCHUNK8) {
-        const int nc = B - c0 < FCHUNK8 ? B - c0 : FCHUNK8;
+    for (int c0 = 0; c0 < B; c0 += per_pass) {
+        const int nc = B - c0 < per_pass ? B - c0 : per_pass;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
         for (int tile = 0; tile < tiles; tile++) {
             const uint8_t *rows[8];
-            for (int r = 0; r < 8; r++) rows[r] = blocks + (8L * tile + r < N ? 8L * tile + r : N - 1) * row_bytes;
+            for (int r = 0; r < 8; r++) rows[r] = codes + (8L * tile + r < N ? 8L * tile + r : N - 1) * row_bytes;
             Tile8 t;
-            __m256 F[256];
-            float acc[FCHUNK8 * 8] __attribute__((aligned(32)));
+            __m256 F[256]; /* the exact path's codes as fp32 (tile_floats8) */
+            float acc[CHUNK8 * 8] __attribute__((aligned(32)));
             memset(acc, 0, sizeof(float) * 8 * nc);
             for (long b = 0; b < nblk; b++) {
-                if (tile + 1 < tiles) {
+                if (tile + 1 < tiles) { /* the next tile's rows in address order, a part per b */
                     const long rows_next = 8L * tile + 16 <= N ? 8 : N - 8L * tile - 8;
-                    prefetch_part((const char *)(blocks + (8L * tile + 8) * row_bytes), rows_next * row_bytes, b, nblk);
+                    prefetch_part((const char *)(codes + (8L * tile + 8) * row_bytes), rows_next * row_bytes, b, nblk);
                 }
                 if (nc == 1) {
-                    one(rows, b, x + (long)c0 * K, xs + (long)c0 * (K / 32), acc);
+                    if (x) one_f32(rows, b, x + (long)c0 * K, xs + (long)c0 * (K / 32), acc);
+                    else one(rows, b, act, K, acc, c0);
                     continue;
                 }
                 decode_any8(kind, rows, b, &t);
-                tile_floats8(kind, &t, F);
-                for (int i0 = 0; i0 < nc; i0 += IT8)
-                    fitems_pass8(kind, &t, F, x, xs, K, b, acc + 8 * i0, c0 + i0, nc - i0 < IT8 ? nc - i0 : IT8);
+                if (x) tile_floats8(kind, &t, F);
+                for (int i0 = 0; i0 < nc; i0 += IT8) {
+                    const int nb = nc - i0 < IT8 ? nc - i0 : IT8;
+                    if (x) fitems_pass8(kind, &t, F, x, xs, K, b, acc + 8 * i0, c0 + i0, nb);
+                    else items_pass8(kind, &t, act, K, b, acc + 8 * i0, c0 + i0, nb);
+                }
             }
             const int real = N - 8 * tile < 8 ? N - 8 * tile : 8;
             const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(real), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
             for (int i = 0; i < nc; i++) _mm256_maskstore_ps(out + (long)(c0 + i) * ld + 8L * tile, keep, _mm256_loadu_ps(acc + 8 * i));
         }
     }
+}
+
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T with x in fp32 (the exact path), W in a block kind (0 Q4_K,
+ * 1 Q6_K, 4 IQ4_XS, 5 Q5_K; K a multiple of 256); xs: each item's K / 32 sums of x per 32 weights.
+ * Returns 0, or -1 (nothing written) for other kinds, for kquant.c to run its rows. */
+int quill_gemv_tiles_f32_avx2(int kind, const uint8_t *blocks, const float *x, const float *xs, float *out, int N, int K,
+                              int B, int ld, int threads) {
+    if (!(kind == 0 || kind == 1 || kind == 4 || kind == 5) || K % 256) return -1;
+    tiles8(kind, blocks, NULL, x, xs, K, N, B, out, ld, threads);
     return 0;
 }
 
@@ -527,5 +506,5 @@ static void layout_rows(int q8, const uint8_t *codes, const float *scale, const 
 void quill_i8_tiles_avx2(int kind, const uint8_t *codes, const float *scale, const float *mins, const uint8_t *act,
                          long K, int N, int B, float *out, int ld, int threads) {
     if (kind >= LAYOUT_Q4) layout_rows(kind == LAYOUT_Q8, codes, scale, mins, K, N, B, act, out, ld, threads);
-    else tiles8(kind, codes, act, K, N, B, out, ld, threads);
+    else tiles8(kind, codes, act, NULL, NULL, K, N, B, out, ld, threads);
 }
