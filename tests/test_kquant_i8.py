@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from quill.bench.synth import random_blocks
@@ -106,10 +107,9 @@ def test_gemv_matches_fp64_on_rounded_activations(name, K, B, isa):
     assert not np.array_equal(exact, got)
 
 
-# Byte ranges that hold the codes, and the byte that makes every code the largest in magnitude (ggml-common.h's
+# The byte range that holds the codes, and the byte that makes every code the largest in magnitude (ggml-common.h's
 # block layouts): Q4_K nibbles 15, Q5_K 31 (nibbles and fifth bits set), Q6_K 63, IQ4_XS index 0 (-127).
-EXTREME_CODES = {"Q4_K": ([(16, 144)], 0xFF), "Q5_K": ([(16, 176)], 0xFF), "Q6_K": ([(0, 192)], 0xFF),
-                 "IQ4_XS": ([(8, 136)], 0x00)}
+EXTREME_CODES = {"Q4_K": (16, 144, 0xFF), "Q5_K": (16, 176, 0xFF), "Q6_K": (0, 192, 0xFF), "IQ4_XS": (8, 136, 0x00)}
 
 
 @needs_kernels
@@ -121,11 +121,9 @@ def test_largest_codes_do_not_overflow(name, sign, isa):
     vpmaddubsw pairs in int16 right up to the bound (Q4_K 30480, Q5_K 31496, Q6_K 32004); a saturated
     sum would be far from the fp64 product."""
     raw = random_blocks(name, 24, 512, np.random.default_rng(3))
-    ranges, byte = EXTREME_CODES[name]
-    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}[name]
-    blocks = raw.reshape(24, 2, size)
-    for lo, hi in ranges:
-        blocks[:, :, lo:hi] = byte
+    lo, hi, byte = EXTREME_CODES[name]
+    blocks = raw.reshape(24, 2, GGML_QUANT_SIZES[Q[name]][1])
+    blocks[:, :, lo:hi] = byte
     lin = PackedLinear(pack_gguf(Q[name], (24, 512), blocks.reshape(24, -1)), None, Workspace())
     x = torch.full((3, 512), sign)
     x[1] = -x[1]

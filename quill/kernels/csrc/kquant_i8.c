@@ -578,7 +578,7 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
 /* 1 where `kind` (kquant.c's block kinds, LAYOUT_Q4, LAYOUT_Q8) has an int8 kernel: every CPU the kernels
  * run on (AVX2) has one for these. */
 int quill_i8_supported(int kind) {
-    return kind == 0 || kind == 1 || kind == 4 || kind == 5 || kind == LAYOUT_Q4 || kind == LAYOUT_Q8;
+    return tile_block_kind(kind) || kind == LAYOUT_Q4 || kind == LAYOUT_Q8;
 }
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T with x rounded as above. W: `kind`'s blocks (0 Q4_K,
@@ -606,7 +606,7 @@ int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const floa
  * their rows (quant_gemv.c): there a fused pass of one item took 1.3-1.5x their time. */
 int quill_gemv_tiles_f32(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B,
                          int ld, int threads) {
-    if (!quill_hw_vnni() || !(kind == 0 || kind == 1 || kind == 4 || kind == 5) || K % 256) return -1;
+    if (!quill_hw_vnni() || !tile_block_kind(kind) || K % 256) return -1;
     tile_gemm(kind, blocks, NULL, NULL, NULL, x, xs, K, N, B, out, ld, threads);
     return 0;
 }

@@ -20,6 +20,9 @@ static inline Act act_at(const uint8_t *buf, long K, int b) {
                  (const float *)(p + K + K / 2)};
 }
 
+/* 1 for the block kinds the tiles take (both paths, both ISAs): 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K. */
+static inline int tile_block_kind(int kind) { return kind == 0 || kind == 1 || kind == 4 || kind == 5; }
+
 /* Bytes per super-block of the block kinds with an int8 kernel: 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K. */
 static inline int super_bytes(int kind) {
     return kind == 0 ? Q4K_BYTES : kind == 5 ? Q5K_BYTES : kind == 1 ? Q6K_BYTES : IQ4XS_BYTES;

@@ -37,7 +37,8 @@
 #include <string.h>
 
 #define ALWAYS __attribute__((always_inline))
-#define IT8 4     /* items whose int16 and fp32 accumulators a pass over a decoded tile keeps in registers (16 ymm) */
+#define IT8 4     /* items per pass over a decoded tile or past a layout row: their accumulators stay in registers
+                     (16 ymm); NB4 below makes each count 1..4 a constant */
 #define CHUNK8 64 /* items per pass over the weights: their activations stay in L2 while each tile meets them */
 
 #define RUN(kind) ((kind) == 0 ? 8 : (kind) == 5 ? 4 : (kind) == 1 ? 2 : 1)
@@ -426,7 +427,7 @@ static void tiles8(int kind, const uint8_t *codes, const uint8_t *act, const flo
  * Returns 0, or -1 (nothing written) for other kinds, for kquant.c to run its rows. */
 int quill_gemv_tiles_f32_avx2(int kind, const uint8_t *blocks, const float *x, const float *xs, float *out, int N, int K,
                               int B, int ld, int threads) {
-    if (!(kind == 0 || kind == 1 || kind == 4 || kind == 5) || K % 256) return -1;
+    if (!tile_block_kind(kind) || K % 256) return -1;
     tiles8(kind, blocks, NULL, x, xs, K, N, B, out, ld, threads);
     return 0;
 }
@@ -436,10 +437,9 @@ int quill_gemv_tiles_f32_avx2(int kind, const uint8_t *blocks, const float *x, c
  * saves at batch 1 (1.12x the rows' time for q4, 1.09x for q8, at 2 threads with the weights coming
  * from memory). A row's 32 weights at a time: q4 codes . x, q8 |w| . (x with w's sign), per group to
  * eight int32 lanes; four groups' lanes are added horizontally so that each lane holds one group and one
- * convert and FMA scale all four (the last G % 4 groups one at a time). Items go T4 at a time past
+ * convert and FMA scale all four (the last G % 4 groups one at a time). Items go IT8 at a time past
  * each row of a run of ROWS8 rows. */
 
-#define T4 4
 #define ROWS8 16 /* rows per task: their weights and a tile of activations stay in L1 / L2 together */
 
 static inline ALWAYS __m256i group_dot(const int q8, __m256i w, __m256i aw, __m256i x) {
@@ -455,8 +455,8 @@ static inline ALWAYS void layout_row(const int q8, const uint8_t *codes, const f
                                      const uint8_t *act, long K, float *out, int ld, int n, int b0, const int nb) {
     const uint8_t *row = codes + (long)n * G * (q8 ? 32 : 16);
     const float *sr = scale + (long)n * G, *mr = mins ? mins + (long)n * G : NULL;
-    __m256 acc[T4];
-    float off[T4];
+    __m256 acc[IT8];
+    float off[IT8];
     for (int t = 0; t < nb; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     int g = 0;
     for (; g + 4 <= G; g += 4) {
@@ -494,9 +494,9 @@ static void layout_rows(int q8, const uint8_t *codes, const float *scale, const 
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int r = 0; r < runs; r++) {
         const int n1 = (r + 1) * ROWS8 < N ? (r + 1) * ROWS8 : N;
-        for (int b0 = 0; b0 < B; b0 += T4)
+        for (int b0 = 0; b0 < B; b0 += IT8)
             for (int n = r * ROWS8; n < n1; n++) {
-                const int nb = B - b0 < T4 ? B - b0 : T4;
+                const int nb = B - b0 < IT8 ? B - b0 : IT8;
                 if (q8) LAYOUT_ROW(1);
                 else LAYOUT_ROW(0);
             }
