@@ -71,8 +71,9 @@ typedef struct {
  * one byte shuffle moves it to the lane's top byte (zeros below), so the convert is exact and signed for
  * every kind, with no shift and mask per byte (one instruction where the shifts took two: 0.83-0.94x the
  * time at batch 1 on a Zen 1). The 2^24 is taken out of each chunk dot (chunk_floats); a power of two, so
- * every rounding is the same as with the code itself (below fp32's normal range, |x| < 2^-126 / 2^24, the
- * scaled products keep bits the plain ones would lose). Both passes (fused and tile) scale alike. */
+ * every rounding is the same as with the code itself, except where a product code * x falls below fp32's
+ * normal range (|code * x| < 2^-126): there the scaled product keeps bits the plain one would lose. Both
+ * passes (fused and tile) scale alike, so batch invariance holds either way. */
 static inline ALWAYS __m256 code_f32_8(__m256i v, const int b) {
     if (b == 3) return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xff000000u)));
     const char z = (char)0x80;
