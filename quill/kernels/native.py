@@ -17,7 +17,7 @@ logger = logging.getLogger("quill.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c", "kquant_i8.c", "kquant_i8_avx2.c")]
-HEADERS = [CSRC / "simd.h", CSRC / "attend_kv.h", CSRC / "kformat.h", CSRC / "kquant_i8.h"]
+HEADERS = [CSRC / "isa.h", CSRC / "simd.h", CSRC / "attend_kv.h", CSRC / "kformat.h", CSRC / "kquant_i8.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
 
@@ -38,34 +38,56 @@ def cpu_supported() -> bool:
     return " avx2" in flags and " fma" in flags and " f16c" in flags  # FLAGS compile for all three
 
 
-def _build(target: Path) -> None:
+# The emulation builds (tests only, csrc/isa.h): the AVX-512 kernels' own source for any AVX2 CPU, each
+# AVX-512 intrinsic done by SIMDe. "avx512-vnni": the CPU probes report AVX-512 F/BW/VL/DQ with VNNI (the
+# VNNI tiles run); "avx512": the same without VNNI (the 16-lane rows take every kind). Neither has AMX.
+EMULATIONS = {"avx512-vnni": ["-DQUILL_EMULATE_AVX512"], "avx512": ["-DQUILL_EMULATE_AVX512", "-DQUILL_EMULATE_NO_VNNI"]}
+
+
+def _emulation_flags(emulate: str) -> list[str]:
+    if emulate not in EMULATIONS:
+        raise ValueError(f"emulate must be one of {sorted(EMULATIONS)}, got {emulate!r}")
+    try:
+        import simde_py
+    except ImportError as e:
+        raise RuntimeError("the AVX-512 emulation needs SIMDe's headers: pip install simde-py") from e
+    # -Og (the last -O wins): the emulated tiles take ~25 s to compile instead of minutes at -O2/-O3
+    return [*EMULATIONS[emulate], "-Og", "-Wno-psabi", "-I" + simde_py.get_include()]
+
+
+def _build(target: Path, flags: list[str]) -> None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling the kernels failed: {proc.stderr.strip()[:500]}")
         os.replace(out, target)  # atomic: concurrent builders never load a half-written file
 
 
-@lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The kernel library, or None (no AVX2/FMA/F16C, no compiler): callers then use torch's dense path."""
+@lru_cache(maxsize=None)
+def load(emulate: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library, or None (no AVX2/FMA/F16C, no compiler): callers then use torch's dense path.
+
+    emulate ("avx512-vnni" or "avx512", see EMULATIONS): a separate library for tests, never an engine's,
+    running the AVX-512 kernels' code on an AVX2 CPU (slowly); None where it cannot be built (no simde-py)."""
     if os.environ.get("QUILL_DISABLE_NATIVE") == "1" or not cpu_supported():
         return None
     import torch  # noqa: F401  -- load torch's libgomp first so the kernels share its OpenMP pool
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"quill_kernels_{digest}.so"
     try:
+        flags = FLAGS + (_emulation_flags(emulate) if emulate else [])
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(flags).encode()).hexdigest()[:16]
+        target = cache_dir() / f"quill_kernels{'_' + emulate if emulate else ''}_{digest}.so"
         if not target.exists():
-            _build(target)
+            _build(target, flags)
         lib = ctypes.CDLL(str(target))
     except (RuntimeError, OSError) as e:
-        logger.warning("native kernels unavailable (%s); using the dense torch path", e)
+        logger.warning("native kernels%s unavailable (%s)%s", f" ({emulate} emulation)" if emulate else "", e,
+                       "" if emulate else "; using the dense torch path")
         return None
     # every kernel call takes its caller's choices last: isa (256 | 512) where it has a choice, threads
     for name in ("quill_gemv_q4", "quill_gemv_q8"):

@@ -28,7 +28,7 @@
  * its output row is bit-identical alone or among others.
  */
 #define _GNU_SOURCE /* syscall() */
-#include <immintrin.h>
+#include "isa.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -38,12 +38,71 @@
 #include <unistd.h>
 
 /* AMX intrinsics need GCC 11 or clang 12; an older compiler builds the stubs at the end, so
- * the other kernels still build and the loader keeps the packed layout. */
+ * the other kernels still build and the loader keeps the packed layout. The AVX-512 emulation build
+ * (isa.h) has no tile unit: it builds the layout's AVX-512 parts (the q4 unpack, the dequantization,
+ * the scratch size) and the GEMV's stub. */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define AMX_COMPILER 1
+#else
+#define AMX_COMPILER 0
+#endif
+#define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
+
+#if AMX_COMPILER || defined(QUILL_EMULATE_AVX512)
+/* A tile rows: item b, half h, digit p -> row 6b + 3h + p, packed 16 to a tile (m rows when B <= 2). */
+static inline int a_rows(int B) { return B <= 2 ? ROWS_PER_ITEM * B : (ROWS_PER_ITEM * B + 15) & ~15; }
+
+long quill_amx_scratch_bytes(int B, int K) { return (long)B * (K / 32) * 8 + (long)(K / 64) * a_rows(B) * 64 + 128; }
+
+/* The q4 tile of (rb, c) unpacked to 1024 bytes. */
+AVX512 static inline void unpack_tile_q4(const uint8_t *src, uint8_t *dst) {
+    const __m512i m = _mm512_set1_epi8(15);
+    for (int i = 0; i < 512; i += 64) {
+        __m512i v = _mm512_loadu_si512(src + i);
+        _mm512_store_si512(dst + i, _mm512_and_si512(v, m));
+        _mm512_store_si512(dst + 512 + i, _mm512_and_si512(_mm512_srli_epi16(v, 4), m));
+    }
+}
+
+/* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. */
+static inline float group_value(const void *p, long i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N,
+                              int K, int threads) {
+    const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int rb = 0; rb < RB; rb++) {
+        _Alignas(64) uint8_t staged[1024];
+        for (int c = 0; c < C; c++) {
+            const int8_t *tile;
+            if (!(kind & 1)) {
+                unpack_tile_q4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
+                tile = (const int8_t *)staged;
+            } else {
+                tile = (const int8_t *)codes + ((long)rb * C + c) * 1024;
+            }
+            for (int j = 0; j < 16; j++) {
+                float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
+                for (int h = 0; h < 2; h++) {
+                    const long gi = ((long)rb * G + 2 * c + h) * 16 + j;
+                    const float s = group_value(scale, gi, half), m = mins ? group_value(mins, gi, half) : 0.f;
+                    for (int k = 32 * h; k < 32 * h + 32; k++) {
+                        int code = !(kind & 1) ? ((const uint8_t *)tile)[(k / 4) * 64 + j * 4 + k % 4] : tile[(k / 4) * 64 + j * 4 + k % 4];
+                        o[k] = fmaf((float)code, s, m);
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
+
+#if AMX_COMPILER && !defined(QUILL_EMULATE_AVX512)
 
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #define ITEMS 16   /* items per pass over a row block */
-#define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
 #define MAX_TILES (ITEMS * ROWS_PER_ITEM / 16) /* A tiles per pass */
 #define PREFETCH 4 /* weight tiles read ahead */
 
@@ -86,9 +145,6 @@ AMX static void config_tiles(int m) {
     _tile_loadconfig(&cfg);
 }
 
-/* A tile rows: item b, half h, digit p -> row 6b + 3h + p, packed 16 to a tile (m rows when B <= 2). */
-static inline int a_rows(int B) { return B <= 2 ? ROWS_PER_ITEM * B : (ROWS_PER_ITEM * B + 15) & ~15; }
-
 /* Item b's chunk c of x (B, K) -> its 6 rows of digits in a (K/64, a_rows(B), 64) int8, the two
  * groups' 2^(e-22) in xscale (B, G) and sums in xs (B, G). Chunks are independent, so the threads
  * split them; the item's padding rows (past the last item) are zeroed with the last item's chunk. */
@@ -120,16 +176,6 @@ AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *
             i0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, d0), 8);
             i1 = _mm512_srai_epi32(_mm512_sub_epi32(i1, d1), 8);
         }
-    }
-}
-
-/* The q4 tile of (rb, c) unpacked to 1024 bytes. */
-AMX static inline void unpack_tile_q4(const uint8_t *src, uint8_t *dst) {
-    const __m512i m = _mm512_set1_epi8(15);
-    for (int i = 0; i < 512; i += 64) {
-        __m512i v = _mm512_loadu_si512(src + i);
-        _mm512_store_si512(dst + i, _mm512_and_si512(v, m));
-        _mm512_store_si512(dst + 512 + i, _mm512_and_si512(_mm512_srli_epi16(v, 4), m));
     }
 }
 
@@ -249,50 +295,16 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
     }
 }
 
-long quill_amx_scratch_bytes(int B, int K) { return (long)B * (K / 32) * 8 + (long)(K / 64) * a_rows(B) * 64 + 128; }
-
-/* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. */
-static inline float group_value(const void *p, long i, int half) {
-    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-AMX void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K,
-                           int threads) {
-    const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int rb = 0; rb < RB; rb++) {
-        _Alignas(64) uint8_t staged[1024];
-        for (int c = 0; c < C; c++) {
-            const int8_t *tile;
-            if (!(kind & 1)) {
-                unpack_tile_q4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
-                tile = (const int8_t *)staged;
-            } else {
-                tile = (const int8_t *)codes + ((long)rb * C + c) * 1024;
-            }
-            for (int j = 0; j < 16; j++) {
-                float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
-                for (int h = 0; h < 2; h++) {
-                    const long gi = ((long)rb * G + 2 * c + h) * 16 + j;
-                    const float s = group_value(scale, gi, half), m = mins ? group_value(mins, gi, half) : 0.f;
-                    for (int k = 32 * h; k < 32 * h + 32; k++) {
-                        int code = !(kind & 1) ? ((const uint8_t *)tile)[(k / 4) * 64 + j * 4 + k % 4] : tile[(k / 4) * 64 + j * 4 + k % 4];
-                        o[k] = fmaf((float)code, s, m);
-                    }
-                }
-            }
-        }
-    }
-}
-
-#else /* no AMX support in this compiler */
+#else /* no AMX support in this compiler, or the AVX-512 emulation build (isa.h) */
 
 int quill_amx_hw(void) { return 0; }
 int quill_amx_enable(void) { return 0; }
 void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const float *x, float *out,
                     int N, int K, int B, void *scratch, int threads) { abort(); }
+#if !AMX_COMPILER && !defined(QUILL_EMULATE_AVX512)
 long quill_amx_scratch_bytes(int B, int K) { return 0; }
 void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K,
                        int threads) { abort(); }
+#endif
 
 #endif

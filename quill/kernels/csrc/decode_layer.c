@@ -11,7 +11,7 @@
  * Every row is computed with the same sequence of operations whatever B is, so a
  * sequence's output does not depend on what else is in the batch (batch invariance).
  */
-#include <immintrin.h>
+#include "isa.h"
 
 #include "kformat.h"
 #include "simd.h"
@@ -219,7 +219,6 @@ typedef struct {
     long sstride;
 } Split;
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 AVX512 static inline __m512 exp16(__m512 x) { /* exp8's polynomial, 16 lanes */
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));

@@ -3,7 +3,7 @@
  * kquant_i8.c's two non-block layouts. */
 #ifndef QUILL_KFORMAT_H
 #define QUILL_KFORMAT_H
-#include <immintrin.h>
+#include "isa.h"
 #include <stdint.h>
 #include <string.h>
 

@@ -31,7 +31,7 @@
  * Block layouts are facts from GGML's format (ggml-common.h block_q2_K .. block_q6_K and the
  * reference dequantize_row_q2_K .. _q6_K); the code is written here.
  */
-#include <immintrin.h>
+#include "isa.h"
 
 #include "kformat.h"
 #include "simd.h"
@@ -226,7 +226,6 @@ static void row_256(int kind, const uint8_t *row, int nblk, const float *x, cons
     else row_256_k(1, row, nblk, x, xs, K, out, ld, n, b0, nb);
 }
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define TILE512 8
 
 /* codes (32 bytes) -> two 16-wide float vectors of the plain codes. */

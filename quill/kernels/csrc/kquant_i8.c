@@ -27,14 +27,13 @@
  * item sits in the batch; items only share the decoded weights. Block layouts: facts from GGML's
  * format (ggml-common.h); the code is written here.
  */
-#include <immintrin.h>
+#include "isa.h"
 
 #include "kquant_i8.h"
 #include "simd.h"
 #include <stdint.h>
 #include <string.h>
 
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define ALWAYS __attribute__((always_inline))
 
 long quill_act8_bytes(int B, int K) { return (long)B * act_bytes(K); }
@@ -43,8 +42,8 @@ long quill_act8_bytes(int B, int K) { return (long)B * act_bytes(K); }
 int quill_hw_vnni(void) {
     static int cached = -1;
     if (cached < 0)
-        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        cached = CPU_HAS("avx512f") && CPU_HAS("avx512bw") &&
+                 CPU_HAS("avx512vl") && CPU_HAS("avx512vnni");
     return cached;
 }
 

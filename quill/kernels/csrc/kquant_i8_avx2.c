@@ -29,7 +29,7 @@
  *
  * Block layouts: facts from GGML's format (ggml-common.h); the code is written here.
  */
-#include <immintrin.h>
+#include "isa.h"
 
 #include "kquant_i8.h"
 #include "simd.h"

@@ -16,7 +16,7 @@
  * two are added, the min terms' vector (mins times group sums) added to that, then one horizontal
  * sum. Tiling over B only changes which items share a weight load, never the arithmetic of one item.
  */
-#include <immintrin.h>
+#include "isa.h"
 
 #include "simd.h"
 #include <stdint.h>
@@ -127,7 +127,6 @@ ROW_KERNEL(row_q8, int8_t, 32, unpack_q8)
 
 /* The same kernels 16 lanes wide, for CPUs with AVX-512 (chosen per call by the caller's `isa`;
  * QUILL_NO_AVX512=1 makes Python's default AVX2). Per item the order is again fixed. */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 /* A group's 32 codes scaled, w = code * scale (one rounding each): for q4 the 16 products code * scale
  * are made once and each nibble picks its own (vpermps reads an index's low 4 bits only). */
@@ -217,7 +216,7 @@ ROW_KERNEL_512(row_q8_512, int8_t, 32, unpack_q8_512)
  * width a call uses is its caller's choice, passed in as `isa` -- never read from here. */
 int quill_hw_avx512(void) {
     static int cached = -1;
-    if (cached < 0) cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (cached < 0) cached = CPU_HAS("avx512f") && CPU_HAS("avx512bw");
     return cached;
 }
 

@@ -1,7 +1,7 @@
 /* Small SIMD helpers shared by the kernels. */
 #ifndef QUILL_SIMD_H
 #define QUILL_SIMD_H
-#include <immintrin.h>
+#include "isa.h"
 
 /* Sum of the eight lanes, always in the same order. */
 static inline float hsum8(__m256 v) {
