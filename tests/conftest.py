@@ -6,6 +6,38 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _run_avx512_kernels(monkeypatch) -> None:
+    """Make the AVX-512 kernels run for one test whatever the CPU: natively where it has AVX-512 with
+    VNNI, else the same C source built on SIMDe's emulation of each intrinsic (csrc/isa.h,
+    native.load(emulate="avx512-vnni")), put behind native.load() and options.hardware() for the test.
+    Objects built before the test (session fixtures) keep the library they were built with."""
+    from quill.kernels import native, options
+
+    hw = options.hardware()
+    if native.load() is None or (hw.avx512 and hw.vnni):
+        return
+    lib = native.load(emulate="avx512-vnni")
+    if lib is None:
+        pytest.fail("the AVX-512 emulation did not build (simde-py is a test dependency: pip install -e '.[test]')")
+    monkeypatch.setattr(native, "load", lambda emulate=None: lib)
+    monkeypatch.setattr(options, "hardware", lambda: options.Hardware(avx512=True, amx=False, vnni=True))
+
+
+@pytest.fixture(autouse=True)
+def _avx512_kernels(request, monkeypatch):
+    """A test parametrized with isa=512 runs the AVX-512 kernels, natively or emulated (above): no
+    AVX-512 path is only ever skipped on an AVX2-only host."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("isa") == 512:
+        _run_avx512_kernels(monkeypatch)
+
+
+@pytest.fixture
+def avx512_kernels(monkeypatch):
+    """The same for a test without an isa parameter that needs AVX-512 code."""
+    _run_avx512_kernels(monkeypatch)
+
+
 @pytest.fixture(scope="session")
 def default_loaded():
     """The embedded default model, loaded once per test session."""

@@ -7,8 +7,8 @@ Real (quill's own code, run as is):
   - tiled.tile_weight: every weight under test is quill's TiledWeight (codes, scale, mins, native_kind);
     the emulation reads its bytes through the flat offsets the C kernel uses, not through its shapes.
   - TiledWeight.dequantize_rows (pure torch), compared with gguf's dequantization exactly.
-  - TiledWeight.dequantize, i.e. the native quill_amx_dequant (AVX-512 code, no tile instructions), and
-    quill_amx_scratch_bytes, where the native library is built and the CPU has the AVX-512 parts.
+  - TiledWeight.dequantize, i.e. the native quill_amx_dequant (AVX-512 code, no tile instructions: on a CPU
+    without AVX-512, the same code on SIMDe's emulation, conftest.py), and quill_amx_scratch_bytes.
 
 Emulated (a transcription of quill_amx_gemv, which needs the tile unit):
   - split_chunk: per 32-element group, 2^(e-1) <= max|x| < 2^e, v = rint(x * 2^(22-e)), balanced digits
@@ -45,23 +45,6 @@ from test_gguf import random_tensor
 
 ITEMS, ROWS_PER_ITEM, DIGIT = 16, 6, 256  # as in amx_gemv.c
 F32 = np.float32
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-# quill_amx_dequant is compiled for amx-tile + AVX-512 F/BW/VL/DQ/VBMI but only executes AVX-512 and F16C
-needs_native_avx512 = pytest.mark.skipif(
-    native.load() is None or not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "f16c"} <= _cpu_flags(),
-    reason="quill_amx_dequant needs the native library and AVX-512 (F/BW/VL/DQ/VBMI)")
 
 
 # ---------------------------------------------------------------- weights under test
@@ -311,9 +294,10 @@ def test_tiled_layout_reads_back_gguf_values(case):
     assert t.nbytes <= w.nbytes
 
 
-@needs_native_avx512
+@pytest.mark.skipif(native.load() is None, reason="needs the native library")
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_amx_dequant_equals_gguf(case):
+def test_native_amx_dequant_equals_gguf(case, avx512_kernels):
+    """quill_amx_dequant (AVX-512, no tile instructions): natively, or emulated where the CPU lacks AVX-512."""
     t, _, ref = CASES[case](1)
     np.testing.assert_array_equal(t.dequantize().numpy(), ref)  # quill_amx_dequant, for real
 

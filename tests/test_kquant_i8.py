@@ -2,9 +2,10 @@
 statement of it, every weight type's GEMV/GEMM against the fp64 product of the dequantized weights with
 the rounded activations, batch invariance, which types take the path, and the options that turn it on.
 The AVX2 kernels (8-row tiles for the block kinds, rows for the q4 / q8 layouts) run on every CPU the
-kernels build for, the AVX-512 VNNI tiles where the CPU has VNNI (both compute the same integer dots;
-the fp64 reference checks both); test_kquant_i8_tiles.py emulates the VNNI tiles' layout and arithmetic
-on any CPU."""
+kernels build for; the AVX-512 VNNI tiles (isa 512) natively where the CPU has VNNI, else their own C
+source on SIMDe's emulation of each intrinsic (conftest.py). Both compute the same integer dots; the
+fp64 reference checks both. test_kquant_i8_tiles.py also restates the VNNI tiles' layout and arithmetic
+in numpy."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from quill.kernels.packed import PackedLinear, Workspace, concat_rows, int8_kind
 LIB = native.load()
 VNNI = LIB is not None and hardware().vnni
 needs_kernels = pytest.mark.skipif(LIB is None, reason="native kernels unavailable (no AVX2/FMA or no compiler)")
-ISAS = [256, pytest.param(512, marks=pytest.mark.skipif(not VNNI, reason="no AVX-512 VNNI on this CPU"))]
+ISAS = [256, 512]  # 512: the VNNI tiles, natively or emulated (conftest.py's _avx512_kernels)
 
 # the types with an int8 kernel: kquant.c's block kinds and quant_gemv.c's q4 / q8 layouts
 INT8_TYPES = ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0", "Q4_1", "Q5_1"]

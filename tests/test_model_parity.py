@@ -8,6 +8,8 @@ import torch
 from quill.config import ModelConfig
 from quill.engine.block_manager import BlockManager
 from quill.kernels import native
+from quill.kernels.options import KernelOptions
+from quill.kernels.options import use as use_kernel_options
 from quill.engine.kv_cache import KVCache
 from quill.engine.model_runner import ModelRunner
 from quill.engine.scheduler import ScheduledSeq
@@ -105,6 +107,37 @@ def test_fp16_kv_cache_fused_decode_matches_torch_and_stays_near_fp32(kind):
             ref = hf(torch.tensor([tokens])).logits[0, -1:]
         assert (lf - lt).abs().max().item() < 1e-4
         assert (lt - ref).abs().max().item() < 1e-2 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("isa", [256, 512])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv-fp32", "kv-fp16"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3"])
+def test_fused_decode_on_both_vector_widths(kind, kv_dtype, isa):
+    """The fused decode layer and its attention (head_dim 16: the 16-lane attention with isa 512, natively
+    or emulated, see conftest.py) against transformers (fp32 cache), or the torch decode path (fp16 cache)."""
+    hf = make_hf_model(kind)
+    with use_kernel_options(KernelOptions(isa=isa, amx=False, threads=2)):
+        cfg, fused, bm_f = build_quill(hf, kv_dtype=kv_dtype)
+        if native.load() is None:
+            pytest.skip("native kernels need x86-64 AVX2/FMA and gcc")
+        assert fused.fused is not None and fused.fused.options.isa == isa
+        torch.manual_seed(3)
+        prompt = torch.randint(0, cfg.vocab_size, (37,)).tolist()
+        if kv_dtype == torch.float32:
+            assert_prefill_and_8_decodes_match(hf, fused, bm_f, prompt)
+            return
+        _, plain, bm_t = build_quill(hf, kv_dtype=kv_dtype, model=fused.model)
+        plain.fused = None
+        seq_f, seq_t = Sequence("f", prompt, SamplingParams()), Sequence("t", prompt, SamplingParams())
+        run_chunk(fused, bm_f, seq_f, 0, len(prompt))
+        lt = run_chunk(plain, bm_t, seq_t, 0, len(prompt))
+        for step in range(8):
+            nxt = int(lt[-1].argmax())
+            for seq in (seq_f, seq_t):
+                seq.append_token(nxt, 0.0)
+            lf = run_chunk(fused, bm_f, seq_f, len(prompt) + step, 1)
+            lt = run_chunk(plain, bm_t, seq_t, len(prompt) + step, 1)
+            assert (lf - lt).abs().max().item() < 1e-4
 
 
 def test_chunked_prefill_with_prefix_matches_one_pass():
