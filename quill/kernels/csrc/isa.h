@@ -31,8 +31,9 @@
 #endif
 
 /* The intrinsics the kernels use that SIMDe 0.8.2 lacks or does not do as the instruction does,
- * from their definitions in the Intel intrinsics guide: the reduction in GCC's order (high half + low
- * half, then 128-bit halves, then lanes (2, 3) onto (0, 1), then lane 1 onto lane 0); masked loads
+ * from their definitions in the Intel intrinsics guide: the reductions in GCC's order (high half with
+ * low half, then 128-bit halves, then lanes (2, 3) with (0, 1), then lane 1 with lane 0; SIMDe's max
+ * scans the lanes, which differs from the hardware's on NaN and on zeros' signs); masked loads
  * and stores touch no element outside the mask (SIMDe's read all 64 bytes, and its masked store
  * writes zeros to the unmasked lanes: past the end of a row's output). */
 static inline __m512i quill_emu_cvtepu8_epi32(__m128i a) {
@@ -48,6 +49,12 @@ static inline float quill_emu_reduce_add_ps(__m512 a) {
     __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
     q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtss_f32(q) + _mm_cvtss_f32(_mm_shuffle_ps(q, q, 1));
+}
+static inline float quill_emu_reduce_max_ps(__m512 a) { /* vmaxps keeps its second operand on NaN or +-0 */
+    __m256 h = _mm256_max_ps(_mm512_extractf32x8_ps(a, 1), _mm512_extractf32x8_ps(a, 0));
+    __m128 q = _mm_max_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    q = _mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(0, 1, 0, 1))));
 }
 static inline uint32_t quill_emu_testn_epi8_mask(__m256i a, __m256i b) { /* bit i: (a & b) byte i is zero */
     return (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_and_si256(a, b), _mm256_setzero_si256()));
@@ -87,6 +94,8 @@ static inline __m512i quill_emu_maskz_loadu_epi8(uint64_t k, const void *p) {
 #define _mm512_cvtepu8_epi32(a) quill_emu_cvtepu8_epi32(a)
 #define _mm512_cvtepi8_epi32(a) quill_emu_cvtepi8_epi32(a)
 #define _mm512_reduce_add_ps(a) quill_emu_reduce_add_ps(a)
+#undef _mm512_reduce_max_ps
+#define _mm512_reduce_max_ps(a) quill_emu_reduce_max_ps(a)
 #define _mm256_testn_epi8_mask(a, b) quill_emu_testn_epi8_mask(a, b)
 #define _mm256_mask_sub_epi8(src, k, a, b) quill_emu_mask_sub_epi8(src, k, a, b)
 #define _mm512_maskz_loadu_epi8(k, p) quill_emu_maskz_loadu_epi8(k, p)
