@@ -38,6 +38,24 @@ def avx512_kernels(monkeypatch):
     _run_avx512_kernels(monkeypatch)
 
 
+@pytest.fixture
+def amx_kernels(monkeypatch):
+    """The AMX tiled path for one test whatever the CPU: natively where the OS grants the tile unit, else
+    the C source on the emulation with isa.h's tile unit (native.load(emulate="amx"))."""
+    from quill.kernels import native, options, tiled
+
+    if native.load() is None:
+        pytest.skip("native kernels need x86-64 AVX2/FMA and gcc")
+    if tiled.available():
+        return
+    lib = native.load(emulate="amx")
+    if lib is None:
+        pytest.fail("the AMX emulation did not build (simde-py is a test dependency: pip install -e '.[test]')")
+    monkeypatch.setattr(native, "load", lambda emulate=None: lib)
+    monkeypatch.setattr(options, "hardware", lambda: options.Hardware(avx512=True, amx=True, vnni=True))
+    assert tiled.available()
+
+
 @pytest.fixture(scope="session")
 def default_loaded():
     """The embedded default model, loaded once per test session."""

@@ -1,7 +1,8 @@
 """The AMX tiled path checked on any x86 CPU: an emulation of csrc/amx_gemv.c's arithmetic in numpy.
 
-The tile unit (TDPBSSD / TDPBSUD) cannot run without AMX-INT8, so the tests in test_kernels.py that
-call quill_amx_gemv are skipped on such hosts (issue 15: no code path only ever skipped). Here:
+The tile unit (TDPBSSD / TDPBSUD) cannot run without AMX-INT8; on such hosts the tests in test_kernels.py
+that call quill_amx_gemv run the C code on isa.h's emulated tile unit (conftest.py's amx_kernels). Here,
+independently of that C code, its arithmetic is restated:
 
 Real (quill's own code, run as is):
   - tiled.tile_weight: every weight under test is quill's TiledWeight (codes, scale, mins, native_kind);

@@ -14,7 +14,7 @@ from quill.kernels.packed import PACKABLE, PackedLinear, PackedWeight, Workspace
 from test_gguf import random_tensor
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels need x86-64 AVX2/FMA and gcc")
-needs_amx = pytest.mark.skipif(not tiled.available(), reason="the tiled kernel needs a CPU with AMX-INT8")
+needs_amx = pytest.mark.usefixtures("amx_kernels")  # natively, or on the AMX emulation (conftest.py)
 TYPES = sorted(PACKABLE, key=lambda t: t.name)
 
 

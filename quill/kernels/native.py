@@ -40,8 +40,10 @@ def cpu_supported() -> bool:
 
 # The emulation builds (tests only, csrc/isa.h): the AVX-512 kernels' own source for any AVX2 CPU, each
 # AVX-512 intrinsic done by SIMDe. "avx512-vnni": the CPU probes report AVX-512 F/BW/VL/DQ with VNNI (the
-# VNNI tiles run); "avx512": the same without VNNI (the 16-lane rows take every kind). Neither has AMX.
-EMULATIONS = {"avx512-vnni": ["-DQUILL_EMULATE_AVX512"], "avx512": ["-DQUILL_EMULATE_AVX512", "-DQUILL_EMULATE_NO_VNNI"]}
+# VNNI tiles run); "avx512": the same without VNNI (the 16-lane rows take every kind); "amx": AVX-512 with
+# VNNI and isa.h's emulated AMX tile unit (the tiled GEMV runs).
+EMULATIONS = {"avx512-vnni": ["-DQUILL_EMULATE_AVX512"], "avx512": ["-DQUILL_EMULATE_AVX512", "-DQUILL_EMULATE_NO_VNNI"],
+              "amx": ["-DQUILL_EMULATE_AVX512", "-DQUILL_EMULATE_AMX"]}
 
 
 def _emulation_flags(emulate: str) -> list[str]:
@@ -72,7 +74,7 @@ def _build(target: Path, flags: list[str]) -> None:
 def load(emulate: str | None = None) -> ctypes.CDLL | None:
     """The kernel library, or None (no AVX2/FMA/F16C, no compiler): callers then use torch's dense path.
 
-    emulate ("avx512-vnni" or "avx512", see EMULATIONS): a separate library for tests, never an engine's,
+    emulate ("avx512-vnni", "avx512" or "amx", see EMULATIONS): a separate library for tests, never an engine's,
     running the AVX-512 kernels' code on an AVX2 CPU (slowly); None where it cannot be built (no simde-py)."""
     if os.environ.get("QUILL_DISABLE_NATIVE") == "1" or not cpu_supported():
         return None

@@ -38,9 +38,9 @@
 #include <unistd.h>
 
 /* AMX intrinsics need GCC 11 or clang 12; an older compiler builds the stubs at the end, so
- * the other kernels still build and the loader keeps the packed layout. The AVX-512 emulation build
- * (isa.h) has no tile unit: it builds the layout's AVX-512 parts (the q4 unpack, the dequantization,
- * the scratch size) and the GEMV's stub. */
+ * the other kernels still build and the loader keeps the packed layout. The AVX-512 emulation builds
+ * (isa.h) build the layout's AVX-512 parts (the q4 unpack, the dequantization, the scratch size),
+ * and the tile GEMV only where isa.h emulates the tile unit too (QUILL_EMULATE_AMX). */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define AMX_COMPILER 1
 #else
@@ -99,9 +99,13 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
 }
 #endif
 
-#if AMX_COMPILER && !defined(QUILL_EMULATE_AVX512)
+#if AMX_COMPILER && (!defined(QUILL_EMULATE_AVX512) || defined(QUILL_EMULATE_AMX))
 
+#ifdef QUILL_EMULATE_AMX /* isa.h's tile unit */
+#define AMX
+#else
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+#endif
 #define ITEMS 16   /* items per pass over a row block */
 #define MAX_TILES (ITEMS * ROWS_PER_ITEM / 16) /* A tiles per pass */
 #define PREFETCH 4 /* weight tiles read ahead */
@@ -113,6 +117,9 @@ typedef struct {
 } __attribute__((packed)) TileConfig;
 
 static int cpu_has_amx(void) {
+#ifdef QUILL_EMULATE_AMX
+    return 1;
+#endif
     unsigned a, b, c, d;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
     return ((d >> 24) & 1) && ((d >> 25) & 1) && __builtin_cpu_supports("avx512bw") &&
@@ -131,7 +138,11 @@ int quill_amx_hw(void) {
 int quill_amx_enable(void) {
     static int granted = -1;
     if (granted < 0)
+#ifdef QUILL_EMULATE_AMX
+        granted = 1; /* emulated tiles: nothing to ask the OS for */
+#else
         granted = quill_amx_hw() && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#endif
     return granted;
 }
 

@@ -9,8 +9,8 @@
  * same AVX-512 source compiles for any AVX2 CPU: SIMDe, a header library, supplies each _mm512_*
  * intrinsic from AVX2 code with the instruction's defined result (fused FMAs stay fused), the
  * attributes are empty, and CPU_HAS reports AVX-512 F/BW/VL/DQ, and VNNI unless
- * QUILL_EMULATE_NO_VNNI is defined too. The AMX tile unit is not emulated (amx_gemv.c builds the
- * GEMV's stub; test_amx_emulated.py checks that path's arithmetic in numpy). So the AVX-512 rows,
+ * QUILL_EMULATE_NO_VNNI is defined too. With QUILL_EMULATE_AMX as well, the AMX tile unit is
+ * emulated below and amx_gemv.c builds its tile GEMV on it. So the AVX-512 rows, VNNI tiles, AMX
  * tiles and attention run, as written, on the AVX2-only hosts CI may have, only slower.
  */
 #ifndef QUILL_ISA_H
@@ -18,6 +18,8 @@
 #include <immintrin.h>
 
 #ifdef QUILL_EMULATE_AVX512
+#include <math.h>
+#include <string.h>
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #undef I /* SIMDe pulls in <complex.h>, whose I would shadow the kernels' variables */
@@ -35,7 +37,9 @@
  * low half, then 128-bit halves, then lanes (2, 3) with (0, 1), then lane 1 with lane 0; SIMDe's max
  * scans the lanes, which differs from the hardware's on NaN and on zeros' signs); masked loads
  * and stores touch no element outside the mask (SIMDe's read all 64 bytes, and its masked store
- * writes zeros to the unmasked lanes: past the end of a row's output). */
+ * writes zeros to the unmasked lanes: past the end of a row's output); and, for amx_gemv.c, abs (the
+ * sign bit cleared), scalef (SIMDe's exp2 overflows past 2^127: split_chunk scales by up to 2^171)
+ * and the truncating int32 -> int8 narrowing SIMDe lacks. */
 static inline __m512i quill_emu_cvtepu8_epi32(__m128i a) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtepu8_epi32(a)),
                               _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(a, a)), 1);
@@ -104,6 +108,87 @@ static inline __m512i quill_emu_maskz_loadu_epi8(uint64_t k, const void *p) {
 #undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps(p, k, a) quill_emu_mask_storeu_ps(p, k, a)
 #define _mm512_cvtepi32_epi16(a) quill_emu_cvtepi32_epi16(a)
+
+static inline __m512 quill_emu_abs_ps(__m512 a) { /* clears the sign bit, of -0 and NaN too */
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
+}
+static inline __m512 quill_emu_scalef_ps(__m512 a, __m512 b) { /* a * 2^floor(b), one rounding; b finite or NaN */
+    float va[16], vb[16];
+    _mm512_storeu_ps(va, a);
+    _mm512_storeu_ps(vb, b);
+    for (int i = 0; i < 16; i++)
+        va[i] = vb[i] != vb[i] ? vb[i] : ldexpf(va[i], (int)fmaxf(fminf(floorf(vb[i]), 1024.f), -1024.f));
+    return _mm512_loadu_ps(va);
+}
+static inline __m128i quill_emu_cvtepi32_epi8(__m512i a) { /* each lane's low byte */
+    int32_t v[16];
+    int8_t r[16];
+    _mm512_storeu_si512(v, a);
+    for (int i = 0; i < 16; i++) r[i] = (int8_t)v[i];
+    return _mm_loadu_si128((const __m128i *)r);
+}
+#undef _mm512_abs_ps
+#define _mm512_abs_ps(a) quill_emu_abs_ps(a)
+#undef _mm512_scalef_ps
+#define _mm512_scalef_ps(a, b) quill_emu_scalef_ps(a, b)
+#undef _mm512_cvtepi32_epi8
+#define _mm512_cvtepi32_epi8(a) quill_emu_cvtepi32_epi8(a)
+
+#ifdef QUILL_EMULATE_AMX
+/* The AMX tile unit by the instructions' definitions: eight tiles of up to 16 rows x 64 bytes per
+ * thread (as the hardware's tile registers are), shaped by the last _tile_loadconfig; a load or
+ * store moves rows x colsb bytes, the rest of a tile reads as zero; TDPBSSD / TDPBSUD add
+ * sum over k < colsb(A) / 4, r < 4 of A[m][4k + r] * B[k][4n + r] to C[m][n], signed A times
+ * signed (SSD) or unsigned (SUD) B, in int32 that wraps. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) QuillEmuTileConfig;
+static _Thread_local struct {
+    QuillEmuTileConfig cfg;
+    uint8_t reg[8][16][64];
+} quill_emu_amx;
+static inline void quill_emu_tile_loadconfig(const void *cfg) {
+    memcpy(&quill_emu_amx.cfg, cfg, sizeof(QuillEmuTileConfig));
+    memset(quill_emu_amx.reg, 0, sizeof quill_emu_amx.reg);
+}
+static inline void quill_emu_tile_loadd(int t, const void *base, long stride) {
+    memset(quill_emu_amx.reg[t], 0, sizeof quill_emu_amx.reg[t]);
+    for (int r = 0; r < quill_emu_amx.cfg.rows[t]; r++)
+        memcpy(quill_emu_amx.reg[t][r], (const uint8_t *)base + r * stride, quill_emu_amx.cfg.colsb[t]);
+}
+static inline void quill_emu_tile_stored(int t, void *base, long stride) {
+    for (int r = 0; r < quill_emu_amx.cfg.rows[t]; r++)
+        memcpy((uint8_t *)base + r * stride, quill_emu_amx.reg[t][r], quill_emu_amx.cfg.colsb[t]);
+}
+static inline void quill_emu_tile_dp(int c, int a, int b, int b_signed) {
+    const int M = quill_emu_amx.cfg.rows[c], N = quill_emu_amx.cfg.colsb[c] / 4, K = quill_emu_amx.cfg.colsb[a] / 4;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            uint32_t acc;
+            memcpy(&acc, &quill_emu_amx.reg[c][m][4 * n], 4);
+            for (int k = 0; k < K; k++)
+                for (int r = 0; r < 4; r++) {
+                    const int x = (int8_t)quill_emu_amx.reg[a][m][4 * k + r], y = quill_emu_amx.reg[b][k][4 * n + r];
+                    acc += (uint32_t)(x * (b_signed ? (int8_t)y : y));
+                }
+            memcpy(&quill_emu_amx.reg[c][m][4 * n], &acc, 4);
+        }
+}
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbssd
+#undef _tile_dpbsud
+#define _tile_loadconfig(cfg) quill_emu_tile_loadconfig(cfg)
+#define _tile_release() ((void)0)
+#define _tile_loadd(t, base, stride) quill_emu_tile_loadd(t, base, stride)
+#define _tile_stored(t, base, stride) quill_emu_tile_stored(t, base, stride)
+#define _tile_zero(t) memset(quill_emu_amx.reg[t], 0, sizeof quill_emu_amx.reg[t])
+#define _tile_dpbssd(c, a, b) quill_emu_tile_dp(c, a, b, 1)
+#define _tile_dpbsud(c, a, b) quill_emu_tile_dp(c, a, b, 0)
+#endif
 
 #else
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
