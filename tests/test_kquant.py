@@ -95,13 +95,14 @@ def test_gemv_matches_fp64_reference(qtype, isa, batch):
 def test_rows_are_batch_invariant(qtype, isa):
     """A row alone and in batches of every way the kernels split one (the block kinds' tiles: on VNNI CPUs
     fused passes of 1-4 items, tiles above, passes of 16 items: 21 ends in a pass of 5; on AVX2 a fused
-    pass for one item, tiles above, passes of 16: 17 ends in a pass of one)."""
-    raw, shape, _ = blocks(qtype, 29, 3, seed=4)
+    pass for one item, pairs of 8-row tiles met by 6 items at a time above (7 ends in a pass of one; 37
+    rows: two pairs, then one partial tile alone), passes of 16: 17 ends in a pass of one)."""
+    raw, shape, _ = blocks(qtype, 37, 3, seed=4)
     lin = PackedLinear(pack_gguf(qtype, shape, raw), None, Workspace())
     x = torch.randn(21, shape[1], generator=torch.Generator().manual_seed(5))
     with use_kernel_options(KernelOptions(isa=isa, amx=False, threads=2)):
         alone = torch.cat([lin(x[b : b + 1], gemv_rows=1) for b in range(21)])
-        for batch in (2, 3, 4, 16, 17, 21):
+        for batch in (2, 3, 4, 6, 7, 12, 16, 17, 21):
             assert torch.equal(lin(x[:batch], gemv_rows=batch), alone[:batch]), batch
 
 

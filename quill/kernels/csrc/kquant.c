@@ -25,7 +25,8 @@
  * every batch (quill_gemv_tiles_f32: 16 rows decoded at once, each code register reused by every item;
  * x stays fp32): in an interleaved benchmark 0.74-1.01x the rows' time at batch 1, about 0.5x from
  * batch 4 up. With isa 256 (AVX2) the same kinds take kquant_i8_avx2.c's 8-row tiles
- * (quill_gemv_tiles_f32_avx2): 0.75-0.85x the rows' time at batch 1, 0.68-0.73x at batch 16. The rows
+ * (quill_gemv_tiles_f32_avx2): 0.75-0.85x the rows' time at batch 1, 0.68-0.73x at batch 16 (before
+ * that file's passes over two tiles, which took another 0.81-0.89x at batch 16 on a Zen 1). The rows
  * below serve the other kinds, and AVX-512 without VNNI.
  *
  * Block layouts are facts from GGML's format (ggml-common.h block_q2_K .. block_q6_K and the

@@ -53,9 +53,11 @@ typedef struct {
 } Tile8;
 
 /* One item meeting the codes as they are decoded: r16 the open int16 runs, d[u] the units' int32 dots;
- * with fp32 activations (fp, the exact path), fd[c] the 16-weight chunks' fp32 dots. */
+ * with fp32 activations (fp 1, the exact path), fd[c] the 16-weight chunks' fp32 dots; or (fp 2) no item:
+ * the codes as fp32 into F (the exact path's tile for a pass over several items). */
 typedef struct {
-    int fp; /* a constant where made */
+    int fp;    /* a constant where made */
+    __m256 *F; /* fp 2: F[k] lane r = row r's code k (code_f32_8) */
     union {
         struct {
             __m256i r16[64];
@@ -98,6 +100,11 @@ static inline ALWAYS void emit8(const int kind, Tile8 *t, Fuse8 *f, const int j,
     if (!f) {
         t->c[j] = c;
         if (SIGNED(kind)) t->w[j] = w;
+        return;
+    }
+    if (f->fp == 2) {
+        const __m256i v = signed_codes8(kind, c, w);
+        for (int b = 0; b < 4; b++) f->F[4 * j + b] = code_f32_8(v, b);
         return;
     }
     if (f->fp) { /* four FMAs into the chunk's dot, in the order of the weights */
@@ -315,9 +322,13 @@ ONE8(5, one8_q5k)
  * of a super-block, the dot d_c = sum over the chunk's weights in order of code * x (FMAs from zero);
  * then per group (Q6_K: per chunk) s += (d_2g + d_2g+1) * sc_g (Q6_K: d_c * sc_c), and for Q4_K / Q5_K
  * s -= mn_g * xs_g (xs: the group's sum of x, made by kquant.c). The same sequence at any batch: a
- * pass with one item fuses decode and FMAs, larger batches go through the tile's codes as fp32. */
+ * pass with one item fuses decode and FMAs, larger batches go through the tiles' codes as fp32, two
+ * tiles (16 rows) at a time and FIT items per pass, so that each broadcast activation feeds two FMAs
+ * and twelve independent sums hide the FMA latency (ftiles8). */
 
 #define FCHUNK8 16 /* items per pass over the weights: their fp32 rows stay in L2 */
+#define FIT 6      /* items per pass over two decoded tiles: 2 x 6 accumulators, two code registers and a
+                      broadcast fill 15 of the 16 ymm registers */
 
 /* s after super-block b's scales, given its 16 chunk dots d (one item; xs: its group sums of the block). */
 static inline ALWAYS __m256 chunk_floats(const int kind, const Tile8 *t, const __m256 *d, const float *xs, __m256 s) {
@@ -353,80 +364,167 @@ ONE8_F32(1, one8_f32_q6k)
 ONE8_F32(4, one8_f32_iq4xs)
 ONE8_F32(5, one8_f32_q5k)
 
-/* Items [i0, i0 + nb) meet super-block b's codes as fp32 (F[k] lane r = row r's code k). */
-static inline ALWAYS void ftiles8_items(const int kind, const Tile8 *t, const __m256 *F, const float *x, const float *xs,
-                                        long K, long b, float *acc, int i0, const int nb) {
-    __m256 s[IT8], d[IT8][16];
+/* Items [i0, i0 + nb) meet super-block b of nt decoded tiles (F[u][k] lane r = row r of tile u's code k):
+ * per chunk, nt x nb sums in registers from zero over the chunk's 16 codes in order, then each (tile,
+ * item)'s chunk_floats into acc[16 * item + 8 * u]. i0 counts from the pass's first item (x, xs point at it). */
+static inline ALWAYS void fpass8(const int kind, const int nt, const int nb, const Tile8 *t, __m256 (*F)[256],
+                                 const float *x, const float *xs, long K, long b, float *acc, int i0) {
+    __m256 D[FIT][2][16];
+    const float *xi[FIT];
+    for (int i = 0; i < nb; i++) xi[i] = x + (long)(i0 + i) * K + 256 * b;
     for (int c = 0; c < 16; c++) {
-        for (int i = 0; i < nb; i++) d[i][c] = _mm256_setzero_ps();
-        for (int k = 16 * c; k < 16 * c + 16; k++)
-            for (int i = 0; i < nb; i++) d[i][c] = _mm256_fmadd_ps(F[k], _mm256_set1_ps(x[(long)(i0 + i) * K + 256 * b + k]), d[i][c]);
+        __m256 a[2][FIT];
+        for (int u = 0; u < nt; u++)
+            for (int i = 0; i < nb; i++) a[u][i] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int k = 16 * c; k < 16 * c + 16; k++) {
+            const __m256 f0 = F[0][k], f1 = F[nt - 1][k];
+            for (int i = 0; i < nb; i++) {
+                const __m256 xb = _mm256_set1_ps(xi[i][k]);
+                a[0][i] = _mm256_fmadd_ps(f0, xb, a[0][i]);
+                if (nt == 2) a[1][i] = _mm256_fmadd_ps(f1, xb, a[1][i]);
+            }
+        }
+        for (int u = 0; u < nt; u++)
+            for (int i = 0; i < nb; i++) D[i][u][c] = a[u][i];
     }
-    for (int i = 0; i < nb; i++) {
-        s[i] = chunk_floats(kind, t, d[i], xs + (long)(i0 + i) * (K / 32) + 8 * b, _mm256_loadu_ps(acc + 8 * i));
-        _mm256_storeu_ps(acc + 8 * i, s[i]);
-    }
+    for (int u = 0; u < nt; u++)
+        for (int i = 0; i < nb; i++) {
+            float *p = acc + 16 * (i0 + i) + 8 * u;
+            _mm256_storeu_ps(p, chunk_floats(kind, &t[u], D[i][u], xs + (long)(i0 + i) * (K / 32) + 8 * b, _mm256_loadu_ps(p)));
+        }
 }
 
-#define FITEMS8(k, ...) NB4(ftiles8_items, k, __VA_ARGS__)
-static void fitems_pass8(int kind, const Tile8 *t, const __m256 *F, const float *x, const float *xs, long K, long b,
-                         float *acc, int i0, int nb) {
-    BLOCK_CONST(FITEMS8, kind, t, F, x, xs, K, b, acc, i0);
+/* fpass8 with nt (1, 2) and nb (1..FIT) constants, so its sums stay in registers */
+#define FPASS_NB(k, nt, ...)                                                                         \
+    do {                                                                                             \
+        switch (nb) {                                                                                \
+        case 1: fpass8(k, nt, 1, __VA_ARGS__); break;                                                \
+        case 2: fpass8(k, nt, 2, __VA_ARGS__); break;                                                \
+        case 3: fpass8(k, nt, 3, __VA_ARGS__); break;                                                \
+        case 4: fpass8(k, nt, 4, __VA_ARGS__); break;                                                \
+        case 5: fpass8(k, nt, 5, __VA_ARGS__); break;                                                \
+        default: fpass8(k, nt, 6, __VA_ARGS__);                                                      \
+        }                                                                                            \
+    } while (0)
+#define FPASS(k, ...)                                                                                \
+    do {                                                                                             \
+        if (nt == 2) FPASS_NB(k, 2, __VA_ARGS__);                                                    \
+        else FPASS_NB(k, 1, __VA_ARGS__);                                                            \
+    } while (0)
+static void fpass_any8(int kind, int nt, int nb, const Tile8 *t, __m256 (*F)[256], const float *x, const float *xs, long K,
+                       long b, float *acc, int i0) {
+    BLOCK_CONST(FPASS, kind, t, F, x, xs, K, b, acc, i0);
 }
 
-/* The decoded tile's codes as fp32. */
-static inline ALWAYS void tile_floats8_k(const int kind, const Tile8 *t, __m256 *F) {
-    for (int j = 0; j < 64; j++) {
-        const __m256i v = signed_codes8(kind, t->c[j], SIGNED(kind) ? t->w[j] : t->c[j]);
-        for (int b = 0; b < 4; b++) F[4 * j + b] = code_f32_8(v, b);
-    }
+/* Super-block b of 8 rows decoded: its scales into t, its codes as fp32 into F (F[k] lane r = row r's code k). */
+static inline ALWAYS void decode_floats8_k(const int kind, const uint8_t *const *rows, long b, Tile8 *t, __m256 *F) {
+    Fuse8 f;
+    f.fp = 2;
+    f.F = F;
+    decode8(kind, rows, b, t, &f);
 }
-static void tile_floats8(int kind, const Tile8 *t, __m256 *F) { BLOCK_CONST(tile_floats8_k, kind, t, F); }
+static void decode_floats8(int kind, const uint8_t *const *rows, long b, Tile8 *t, __m256 *F) {
+    BLOCK_CONST(decode_floats8_k, kind, rows, b, t, F);
+}
 
-/* Both paths' driver, W in a block kind: int8 activations (act) or fp32 ones (x, xs; act NULL). Items in
- * chunks (CHUNK8 int8, FCHUNK8 fp32), each chunk meeting every 8-row tile (tiles split among threads);
- * within a tile each super-block is decoded once and meets the chunk's items IT8 at a time (fp32: through
- * the codes as fp32, F), or a chunk of one item takes the fused pass. A last partial tile repeats row
- * N - 1 and stores only its real rows. */
-static void tiles8(int kind, const uint8_t *codes, const uint8_t *act, const float *x, const float *xs, long K, int N,
-                   int B, float *out, int ld, int threads) {
-    const int nblk = (int)(K / 256), tiles = (N + 7) / 8, per_pass = x ? FCHUNK8 : CHUNK8;
+/* The last partial tile (N - 8 * tile < 8 real rows) repeats row N - 1; stores keep its real rows. */
+static inline void tile_rows8(const uint8_t *codes, long row_bytes, int N, int tile, const uint8_t *rows[8]) {
+    for (int r = 0; r < 8; r++) rows[r] = codes + (8L * tile + r < N ? 8L * tile + r : N - 1) * row_bytes;
+}
+
+/* Part b of nblk of rows [first, first + count) (those below N) into L2: the next tile's (pair's) rows
+ * in address order while this one runs. */
+static inline void prefetch_rows(const uint8_t *codes, long row_bytes, int N, long first, long count, long b, long nblk) {
+    if (first >= N) return;
+    const long n = first + count <= N ? count : N - first;
+    prefetch_part((const char *)(codes + first * row_bytes), n * row_bytes, b, nblk);
+}
+
+static inline void store_tile8(float *out, int ld, int N, int tile, const float *acc, int stride, int nc) {
+    const int real = N - 8 * tile < 8 ? N - 8 * tile : 8;
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(real), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int i = 0; i < nc; i++) _mm256_maskstore_ps(out + (long)i * ld + 8L * tile, keep, _mm256_loadu_ps(acc + (long)stride * i));
+}
+
+/* The int8 path's driver, W in a block kind: items in chunks of CHUNK8, each chunk meeting every 8-row
+ * tile (tiles split among threads); within a tile each super-block is decoded once and meets the chunk's
+ * items IT8 at a time, or a chunk of one item takes the fused pass. */
+static void tiles8(int kind, const uint8_t *codes, const uint8_t *act, long K, int N, int B, float *out, int ld, int threads) {
+    const int nblk = (int)(K / 256), tiles = (N + 7) / 8;
     const long row_bytes = (long)nblk * super_bytes(kind);
     void (*const one)(const uint8_t *const *, long, const uint8_t *, long, float *, int) =
         kind == 0 ? one8_q4k : kind == 1 ? one8_q6k : kind == 4 ? one8_iq4xs : one8_q5k;
-    void (*const one_f32)(const uint8_t *const *, long, const float *, const float *, float *) =
-        kind == 0 ? one8_f32_q4k : kind == 1 ? one8_f32_q6k : kind == 4 ? one8_f32_iq4xs : one8_f32_q5k;
-    for (int c0 = 0; c0 < B; c0 += per_pass) {
-        const int nc = B - c0 < per_pass ? B - c0 : per_pass;
+    for (int c0 = 0; c0 < B; c0 += CHUNK8) {
+        const int nc = B - c0 < CHUNK8 ? B - c0 : CHUNK8;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
         for (int tile = 0; tile < tiles; tile++) {
             const uint8_t *rows[8];
-            for (int r = 0; r < 8; r++) rows[r] = codes + (8L * tile + r < N ? 8L * tile + r : N - 1) * row_bytes;
+            tile_rows8(codes, row_bytes, N, tile, rows);
             Tile8 t;
-            __m256 F[256]; /* the exact path's codes as fp32 (tile_floats8) */
             float acc[CHUNK8 * 8] __attribute__((aligned(32)));
             memset(acc, 0, sizeof(float) * 8 * nc);
             for (long b = 0; b < nblk; b++) {
-                if (tile + 1 < tiles) { /* the next tile's rows in address order, a part per b */
-                    const long rows_next = 8L * tile + 16 <= N ? 8 : N - 8L * tile - 8;
-                    prefetch_part((const char *)(codes + (8L * tile + 8) * row_bytes), rows_next * row_bytes, b, nblk);
-                }
+                prefetch_rows(codes, row_bytes, N, 8L * tile + 8, 8, b, nblk);
                 if (nc == 1) {
-                    if (x) one_f32(rows, b, x + (long)c0 * K, xs + (long)c0 * (K / 32), acc);
-                    else one(rows, b, act, K, acc, c0);
+                    one(rows, b, act, K, acc, c0);
                     continue;
                 }
                 decode_any8(kind, rows, b, &t);
-                if (x) tile_floats8(kind, &t, F);
                 for (int i0 = 0; i0 < nc; i0 += IT8) {
                     const int nb = nc - i0 < IT8 ? nc - i0 : IT8;
-                    if (x) fitems_pass8(kind, &t, F, x, xs, K, b, acc + 8 * i0, c0 + i0, nb);
-                    else items_pass8(kind, &t, act, K, b, acc + 8 * i0, c0 + i0, nb);
+                    items_pass8(kind, &t, act, K, b, acc + 8 * i0, c0 + i0, nb);
                 }
             }
-            const int real = N - 8 * tile < 8 ? N - 8 * tile : 8;
-            const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(real), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            for (int i = 0; i < nc; i++) _mm256_maskstore_ps(out + (long)(c0 + i) * ld + 8L * tile, keep, _mm256_loadu_ps(acc + 8 * i));
+            store_tile8(out + (long)c0 * ld, ld, N, tile, acc, 8, nc);
+        }
+    }
+}
+
+/* The exact path's driver (x, xs fp32): items in chunks of FCHUNK8; one item takes the fused pass tile by
+ * tile; more go through pairs of tiles (split among threads), each super-block's two tiles decoded to
+ * fp32 codes once and met by the chunk's items FIT at a time (fpass8). */
+static void ftiles8(int kind, const uint8_t *codes, const float *x, const float *xs, long K, int N, int B, float *out,
+                    int ld, int threads) {
+    const int nblk = (int)(K / 256), tiles = (N + 7) / 8, pairs = (tiles + 1) / 2;
+    const long row_bytes = (long)nblk * super_bytes(kind);
+    void (*const one)(const uint8_t *const *, long, const float *, const float *, float *) =
+        kind == 0 ? one8_f32_q4k : kind == 1 ? one8_f32_q6k : kind == 4 ? one8_f32_iq4xs : one8_f32_q5k;
+    for (int c0 = 0; c0 < B; c0 += FCHUNK8) {
+        const int nc = B - c0 < FCHUNK8 ? B - c0 : FCHUNK8;
+        const float *xc = x + (long)c0 * K, *xsc = xs + (long)c0 * (K / 32);
+        if (nc == 1) {
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+            for (int tile = 0; tile < tiles; tile++) {
+                const uint8_t *rows[8];
+                tile_rows8(codes, row_bytes, N, tile, rows);
+                float acc[8] __attribute__((aligned(32))) = {0};
+                for (long b = 0; b < nblk; b++) {
+                    prefetch_rows(codes, row_bytes, N, 8L * tile + 8, 8, b, nblk);
+                    one(rows, b, xc, xsc, acc);
+                }
+                store_tile8(out + (long)c0 * ld, ld, N, tile, acc, 8, 1);
+            }
+            continue;
+        }
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+        for (int pair = 0; pair < pairs; pair++) {
+            const int nt = 2 * pair + 1 < tiles ? 2 : 1;
+            const uint8_t *rows[2][8];
+            for (int u = 0; u < nt; u++) tile_rows8(codes, row_bytes, N, 2 * pair + u, rows[u]);
+            Tile8 t[2];
+            __m256 F[2][256];
+            float acc[FCHUNK8 * 16] __attribute__((aligned(32)));
+            memset(acc, 0, sizeof acc);
+            for (long b = 0; b < nblk; b++) {
+                prefetch_rows(codes, row_bytes, N, 16L * pair + 16, 16, b, nblk);
+                for (int u = 0; u < nt; u++) decode_floats8(kind, rows[u], b, &t[u], F[u]);
+                for (int i0 = 0; i0 < nc; i0 += FIT) {
+                    const int nb = nc - i0 < FIT ? nc - i0 : FIT;
+                    fpass_any8(kind, nt, nb, t, F, xc, xsc, K, b, acc, i0);
+                }
+            }
+            for (int u = 0; u < nt; u++) store_tile8(out + (long)c0 * ld, ld, N, 2 * pair + u, acc + 8 * u, 16, nc);
         }
     }
 }
@@ -437,7 +535,7 @@ static void tiles8(int kind, const uint8_t *codes, const uint8_t *act, const flo
 int quill_gemv_tiles_f32_avx2(int kind, const uint8_t *blocks, const float *x, const float *xs, float *out, int N, int K,
                               int B, int ld, int threads) {
     if (!tile_block_kind(kind) || K % 256) return -1;
-    tiles8(kind, blocks, NULL, x, xs, K, N, B, out, ld, threads);
+    ftiles8(kind, blocks, x, xs, K, N, B, out, ld, threads);
     return 0;
 }
 
@@ -515,5 +613,5 @@ static void layout_rows(int q8, const uint8_t *codes, const float *scale, const 
 void quill_i8_tiles_avx2(int kind, const uint8_t *codes, const float *scale, const float *mins, const uint8_t *act,
                          long K, int N, int B, float *out, int ld, int threads) {
     if (kind >= LAYOUT_Q4) layout_rows(kind == LAYOUT_Q8, codes, scale, mins, K, N, B, act, out, ld, threads);
-    else tiles8(kind, codes, act, NULL, NULL, K, N, B, out, ld, threads);
+    else tiles8(kind, codes, act, K, N, B, out, ld, threads);
 }
