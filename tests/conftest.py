@@ -6,21 +6,35 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def use_library(monkeypatch, lib) -> None:
+    """Put a kernel library (an emulation build) behind native.load() and options.hardware() for one
+    test, the hardware being what its own probes report. Objects built before the test (session
+    fixtures) keep the library they were built with."""
+    from quill.kernels import native, options
+
+    hw = options.probe(lib)
+    monkeypatch.setattr(native, "load", lambda emulate=None: lib)
+    monkeypatch.setattr(options, "hardware", lambda: hw)
+
+
+def use_emulation(monkeypatch, emulate: str) -> None:
+    """use_library with native.load(emulate=...): the same C source on csrc/isa.h's emulation."""
+    from quill.kernels import native
+
+    lib = native.load(emulate=emulate)
+    if lib is None:
+        pytest.fail(f"the {emulate} emulation did not build (simde-py is a test dependency: pip install -e '.[test]')")
+    use_library(monkeypatch, lib)
+
+
 def _run_avx512_kernels(monkeypatch) -> None:
     """Make the AVX-512 kernels run for one test whatever the CPU: natively where it has AVX-512 with
-    VNNI, else the same C source built on SIMDe's emulation of each intrinsic (csrc/isa.h,
-    native.load(emulate="avx512-vnni")), put behind native.load() and options.hardware() for the test.
-    Objects built before the test (session fixtures) keep the library they were built with."""
+    VNNI, else the same C source built on SIMDe's emulation of each intrinsic."""
     from quill.kernels import native, options
 
     hw = options.hardware()
-    if native.load() is None or (hw.avx512 and hw.vnni):
-        return
-    lib = native.load(emulate="avx512-vnni")
-    if lib is None:
-        pytest.fail("the AVX-512 emulation did not build (simde-py is a test dependency: pip install -e '.[test]')")
-    monkeypatch.setattr(native, "load", lambda emulate=None: lib)
-    monkeypatch.setattr(options, "hardware", lambda: options.Hardware(avx512=True, amx=False, vnni=True))
+    if native.load() is not None and not (hw.avx512 and hw.vnni):
+        use_emulation(monkeypatch, "avx512-vnni")
 
 
 @pytest.fixture(autouse=True)
@@ -42,17 +56,13 @@ def avx512_kernels(monkeypatch):
 def amx_kernels(monkeypatch):
     """The AMX tiled path for one test whatever the CPU: natively where the OS grants the tile unit, else
     the C source on the emulation with isa.h's tile unit (native.load(emulate="amx"))."""
-    from quill.kernels import native, options, tiled
+    from quill.kernels import native, tiled
 
     if native.load() is None:
         pytest.skip("native kernels need x86-64 AVX2/FMA and gcc")
     if tiled.available():
         return
-    lib = native.load(emulate="amx")
-    if lib is None:
-        pytest.fail("the AMX emulation did not build (simde-py is a test dependency: pip install -e '.[test]')")
-    monkeypatch.setattr(native, "load", lambda emulate=None: lib)
-    monkeypatch.setattr(options, "hardware", lambda: options.Hardware(avx512=True, amx=True, vnni=True))
+    use_emulation(monkeypatch, "amx")
     assert tiled.available()
 
 

@@ -16,6 +16,7 @@ from quill.kernels import native, options
 from quill.kernels.options import KernelOptions, use
 from quill.kernels.packed import PackedLinear, Workspace, pack_gguf
 
+from conftest import use_library
 from test_gguf import random_tensor
 
 NATIVE = native.load()
@@ -40,10 +41,7 @@ def _outputs(lib, qtype, isa, int8=False, batch=5):
     raw, shape, x = _case(qtype, batch)
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(native, "load", lambda emulate=None: lib)
-        if lib is not NATIVE:
-            hw = options.Hardware(avx512=bool(lib.quill_hw_avx512()), amx=False, vnni=bool(lib.quill_hw_vnni()))
-            mp.setattr(options, "hardware", lambda: hw)
+        use_library(mp, lib)
         lin = PackedLinear(pack_gguf(qtype, shape, raw), None, Workspace())
         with use(KernelOptions(isa=isa, amx=False, threads=2, int8=int8)):
             return torch.cat([lin(x, gemv_rows=batch), lin(x[2:3].clone(), gemv_rows=1)]).numpy()

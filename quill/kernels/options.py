@@ -55,7 +55,11 @@ class Hardware:
 def hardware() -> Hardware:
     from quill.kernels import native
 
-    lib = native.load()
+    return probe(native.load())
+
+
+def probe(lib) -> Hardware:
+    """What a kernel library's CPUID probes report (an emulation build reports what it emulates)."""
     if lib is None:
         return Hardware()
     return Hardware(avx512=bool(lib.quill_hw_avx512()), amx=bool(lib.quill_amx_hw()), vnni=bool(lib.quill_hw_vnni()))
