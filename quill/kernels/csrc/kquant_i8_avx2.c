@@ -48,12 +48,12 @@
 typedef struct {
     __m256i c[64]; /* c[j] lane r = row r's weights 4j..4j+3: unsigned codes (IQ4_XS: |w|) */
     __m256i w[64]; /* IQ4_XS: the signed codes (their signs) */
-    __m256 sc[16]; /* per unit scale, lane r = row r */
+    __m256 sc[16]; /* per unit scale, lane r = row r (the exact path's: times 2^-24, see code_f32_8) */
     __m256 mn[8];  /* Q4_K, Q5_K: per group dmin m */
 } Tile8;
 
 /* One item meeting the codes as they are decoded: r16 the open int16 runs, d[u] the units' int32 dots;
- * with fp32 activations (fp 1, the exact path), fd[c] the 16-weight chunks' fp32 dots; or (fp 2) no item:
+ * with fp32 activations (fp 1, the exact path), fd[u] the units' fp32 dots; or (fp 2) no item:
  * the codes as fp32 into F (the exact path's tile for a pass over several items). */
 typedef struct {
     int fp;    /* a constant where made */
@@ -72,10 +72,10 @@ typedef struct {
 /* Byte b of each lane of v (the format's own signed or unsigned code, signed_codes8) as fp32 times 2^24:
  * one byte shuffle moves it to the lane's top byte (zeros below), so the convert is exact and signed for
  * every kind, with no shift and mask per byte (one instruction where the shifts took two: 0.83-0.94x the
- * time at batch 1 on a Zen 1). The 2^24 is taken out of each chunk dot (chunk_floats); a power of two, so
- * every rounding is the same as with the code itself, except where a product code * x falls below fp32's
- * normal range (|code * x| < 2^-126): there the scaled product keeps bits the plain one would lose. Both
- * passes (fused and tile) scale alike, so batch invariance holds either way. */
+ * time at batch 1 on a Zen 1). The 2^24 is taken out of each unit's scale instead (decode8, on the exact
+ * path); a power of two, so every rounding is the same as with the code itself, except where a product
+ * code * x falls below fp32's normal range (|code * x| < 2^-126): there the scaled product keeps bits the
+ * plain one would lose. Both passes (fused and tile) scale alike, so batch invariance holds either way. */
 static inline ALWAYS __m256 code_f32_8(__m256i v, const int b) {
     if (b == 3) return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xff000000u)));
     const char z = (char)0x80;
@@ -107,9 +107,10 @@ static inline ALWAYS void emit8(const int kind, Tile8 *t, Fuse8 *f, const int j,
         for (int b = 0; b < 4; b++) f->F[4 * j + b] = code_f32_8(v, b);
         return;
     }
-    if (f->fp) { /* four FMAs into the chunk's dot, in the order of the weights */
+    if (f->fp) { /* four FMAs into the unit's dot, in the order of the weights */
         const __m256i v = signed_codes8(kind, c, w);
-        for (int b = 0; b < 4; b++) f->fd[j / 4] = _mm256_fmadd_ps(code_f32_8(v, b), _mm256_set1_ps(f->x[4 * j + b]), f->fd[j / 4]);
+        const int u = j / UNIT(kind);
+        for (int b = 0; b < 4; b++) f->fd[u] = _mm256_fmadd_ps(code_f32_8(v, b), _mm256_set1_ps(f->x[4 * j + b]), f->fd[u]);
         return;
     }
     __m256i x = bcast4(f->q + 4 * j);
@@ -224,15 +225,20 @@ static inline ALWAYS void decode8(const int kind, const uint8_t *const *rows, lo
 #pragma GCC unroll 4
         for (int s = 0; s < 4; s++) {
             transpose8(rows, base + 8 + 32 * s, T);
+            /* groups 2s and 2s + 1, 16 bytes each: low nibbles weights 32g + l, high 32g + 16 + l. Each
+             * group's dwords go out in the order of its weights (the exact path's dot), the two groups' in turn. */
+#pragma GCC unroll 2
+            for (int high = 0; high < 2; high++)
 #pragma GCC unroll 8
-            for (int e = 0; e < 8; e++) { /* 16 bytes per group: low nibbles weights 32g + l, high 32g + 16 + l */
-                const int g = 2 * s + e / 4;
-                const __m256i lo = _mm256_and_si256(T[e], n4), hi = _mm256_and_si256(_mm256_srli_epi32(T[e], 4), n4);
-                emit8(kind, t, f, 8 * g + e % 4, _mm256_shuffle_epi8(abs, lo), _mm256_shuffle_epi8(table, lo));
-                emit8(kind, t, f, 8 * g + 4 + e % 4, _mm256_shuffle_epi8(abs, hi), _mm256_shuffle_epi8(table, hi));
-            }
+                for (int k = 0; k < 8; k++) {
+                    const int h = k % 2, e = 4 * h + k / 2;
+                    const __m256i n = high ? _mm256_and_si256(_mm256_srli_epi32(T[e], 4), n4) : _mm256_and_si256(T[e], n4);
+                    emit8(kind, t, f, 8 * (2 * s + h) + 4 * high + k / 2, _mm256_shuffle_epi8(abs, n), _mm256_shuffle_epi8(table, n));
+                }
         }
     }
+    if (f && f->fp) /* the exact path: code_f32_8's 2^24 out of the scales (a power of two: exact) */
+        for (int u = 0; u < 64 / UNIT(kind); u++) t->sc[u] = _mm256_mul_ps(t->sc[u], _mm256_set1_ps(0x1p-24f));
 }
 
 /* Item a's fp32 step for unit u of block b (the header's sequence), given the unit's integer dot. */
@@ -318,10 +324,12 @@ ONE8(5, one8_q5k)
 
 /* ---- Exact fp32 activations on the same tiles (kquant.c's GEMV of the block kinds with isa 256): the
  * decoded codes become fp32 lanes (the format's own codes, signed where its weights are), so weight =
- * scale * code - min is the file's own and x is never rounded. Per (row, item), per 16-weight chunk c
- * of a super-block, the dot d_c = sum over the chunk's weights in order of code * x (FMAs from zero);
- * then per group (Q6_K: per chunk) s += (d_2g + d_2g+1) * sc_g (Q6_K: d_c * sc_c), and for Q4_K / Q5_K
- * s -= mn_g * xs_g (xs: the group's sum of x, made by kquant.c). The same sequence at any batch: a
+ * scale * code - min is the file's own and x is never rounded. Per (row, item), per scaled unit u of a
+ * super-block (a 32-weight group; Q6_K: a 16-weight chunk), the dot d_u = sum over the unit's weights in
+ * order of code * x (FMAs from zero); then s += d_u * sc_u, and for Q4_K / Q5_K s -= mn_u * xs_u (xs: the
+ * group's sum of x, made by kquant.c). (Every kind used to sum 16-weight chunks, then add a group's two
+ * and take out the 2^24 per item: this takes 0.87-0.96x that time at batch 16 and the same at batch 1,
+ * one thread on a Zen 1.) The same sequence at any batch: a
  * pass with one item fuses decode and FMAs, larger batches go through the tiles' codes as fp32, two
  * tiles (16 rows) at a time and FIT items per pass, so that each broadcast activation feeds two FMAs
  * and twelve independent sums hide the FMA latency (ftiles8). */
@@ -330,16 +338,11 @@ ONE8(5, one8_q5k)
 #define FIT 6      /* items per pass over two decoded tiles: 2 x 6 accumulators, two code registers and a
                       broadcast fill 15 of the 16 ymm registers */
 
-/* s after super-block b's scales, given its 16 chunk dots d (one item; xs: its group sums of the block). */
-static inline ALWAYS __m256 chunk_floats(const int kind, const Tile8 *t, const __m256 *d, const float *xs, __m256 s) {
-    const __m256 unit = _mm256_set1_ps(0x1p-24f); /* code_f32_8's 2^24 */
-    if (kind == 1) {
-        for (int c = 0; c < 16; c++) s = _mm256_fmadd_ps(_mm256_mul_ps(d[c], unit), t->sc[c], s);
-        return s;
-    }
-    for (int g = 0; g < 8; g++) {
-        s = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_add_ps(d[2 * g], d[2 * g + 1]), unit), t->sc[g], s);
-        if (kind != 4) s = _mm256_fnmadd_ps(t->mn[g], _mm256_set1_ps(xs[g]), s);
+/* s after super-block b's scales, given its units' dots d (one item; xs: its group sums of the block). */
+static inline ALWAYS __m256 unit_floats(const int kind, const Tile8 *t, const __m256 *d, const float *xs, __m256 s) {
+    for (int u = 0; u < 64 / UNIT(kind); u++) {
+        s = _mm256_fmadd_ps(d[u], t->sc[u], s);
+        if (kind == 0 || kind == 5) s = _mm256_fnmadd_ps(t->mn[u], _mm256_set1_ps(xs[u]), s);
     }
     return s;
 }
@@ -350,10 +353,10 @@ static inline ALWAYS void one8_f32_k(const int kind, const uint8_t *const *rows,
     Tile8 t;
     Fuse8 f;
     f.fp = 1;
-    for (int c = 0; c < 16; c++) f.fd[c] = _mm256_setzero_ps();
+    for (int u = 0; u < 16; u++) f.fd[u] = _mm256_setzero_ps();
     f.x = x + 256 * b;
     decode8(kind, rows, b, &t, &f);
-    _mm256_storeu_ps(acc, chunk_floats(kind, &t, f.fd, xs + 8 * b, _mm256_loadu_ps(acc)));
+    _mm256_storeu_ps(acc, unit_floats(kind, &t, f.fd, xs + 8 * b, _mm256_loadu_ps(acc)));
 }
 #define ONE8_F32(k, name)                                                                            \
     static void name(const uint8_t *const *rows, long b, const float *x, const float *xs, float *acc) { \
@@ -365,19 +368,20 @@ ONE8_F32(4, one8_f32_iq4xs)
 ONE8_F32(5, one8_f32_q5k)
 
 /* Items [i0, i0 + nb) meet super-block b of nt decoded tiles (F[u][k] lane r = row r of tile u's code k):
- * per chunk, nt x nb sums in registers from zero over the chunk's 16 codes in order, then each (tile,
- * item)'s chunk_floats into acc[16 * item + 8 * u]. i0 counts from the pass's first item (x, xs point at it). */
+ * per scaled unit, nt x nb sums in registers from zero over the unit's codes in order, then each (tile,
+ * item)'s unit_floats into acc[16 * item + 8 * u]. i0 counts from the pass's first item (x, xs point at it). */
 static inline ALWAYS void fpass8(const int kind, const int nt, const int nb, const Tile8 *t, __m256 (*F)[256],
                                  const float *x, const float *xs, long K, long b, float *acc, int i0) {
     __m256 D[FIT][2][16];
     const float *xi[FIT];
     for (int i = 0; i < nb; i++) xi[i] = x + (long)(i0 + i) * K + 256 * b;
-    for (int c = 0; c < 16; c++) {
+    const int W = 4 * UNIT(kind); /* weights per unit */
+    for (int c = 0; c < 256 / W; c++) {
         __m256 a[2][FIT];
         for (int u = 0; u < nt; u++)
             for (int i = 0; i < nb; i++) a[u][i] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-        for (int k = 16 * c; k < 16 * c + 16; k++) {
+#pragma GCC unroll 32
+        for (int k = W * c; k < W * c + W; k++) {
             const __m256 f0 = F[0][k], f1 = F[nt - 1][k];
             for (int i = 0; i < nb; i++) {
                 const __m256 xb = _mm256_set1_ps(xi[i][k]);
@@ -391,7 +395,7 @@ static inline ALWAYS void fpass8(const int kind, const int nt, const int nb, con
     for (int u = 0; u < nt; u++)
         for (int i = 0; i < nb; i++) {
             float *p = acc + 16 * (i0 + i) + 8 * u;
-            _mm256_storeu_ps(p, chunk_floats(kind, &t[u], D[i][u], xs + (long)(i0 + i) * (K / 32) + 8 * b, _mm256_loadu_ps(p)));
+            _mm256_storeu_ps(p, unit_floats(kind, &t[u], D[i][u], xs + (long)(i0 + i) * (K / 32) + 8 * b, _mm256_loadu_ps(p)));
         }
 }
 
