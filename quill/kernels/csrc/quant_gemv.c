@@ -82,10 +82,12 @@ static inline __m256 min_terms8(const float *mn, const float *xst, int G) {
     return m;
 }
 
-#define TILE 5
+#define TILE 6
 
 /* One row n for batch items [b0, b0+nb): always inlined with a constant nb (1..TILE) so the
- * accumulators stay in registers (two per item: 2 * TILE + the 4 scaled weights fit AVX2's 16). */
+ * accumulators stay in registers (two per item: 2 * TILE + the 4 scaled weights fill AVX2's 16; x is
+ * each FMA's memory operand). 6 items per pass rather than 5: batch 16 in 3 passes of the codes' unpack
+ * instead of 4, 0.89-0.94x the time at batch 12-16 and 0.81x at 6 (Q8_0, one thread on a Zen 1). */
 #define ROW_KERNEL(NAME, CODE_T, BYTES_PER_GROUP, UNPACK)                                         \
     static inline __attribute__((always_inline)) void NAME##_n(                                   \
         const CODE_T *row, const float *sc, const float *mn, const float *x, const float *xs,     \
@@ -118,7 +120,8 @@ static inline __m256 min_terms8(const float *mn, const float *xst, int G) {
         case 2: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 2); break;                         \
         case 3: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 3); break;                         \
         case 4: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 4); break;                         \
-        default: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 5); break;                        \
+        case 5: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 5); break;                         \
+        default: NAME##_n(row, sc, mn, x, xs, out, N, n, G, b0, 6); break;                        \
         }                                                                                         \
     }
 
