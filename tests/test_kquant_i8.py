@@ -225,11 +225,14 @@ def test_int8_is_opt_in(monkeypatch):
 
 @needs_kernels
 @pytest.mark.slow
-def test_default_model_agrees_with_exact_activations():
+def test_default_model_agrees_with_exact_activations(monkeypatch):
     """The opt-in path on the real default model (Q4_1: the q4 layout; Q8_0 head): top-1 agreement with
-    exact activations over teacher-forced tokens (one prefill each)."""
+    exact activations over teacher-forced tokens (one prefill each). With AMX off: on a CPU with AMX the
+    q4/q8 weights load as AMX tiles, whose kernel keeps exact activations with or without int8."""
     from quill.bench.accuracy import _TEXT, position_logits
     from quill.models.loader import load_model
+
+    monkeypatch.setenv("QUILL_NO_AMX", "1")
 
     loaded = load_model(None)
     ids = loaded.tokenizer.encode(_TEXT * 4)[:160]
@@ -242,11 +245,12 @@ def test_default_model_agrees_with_exact_activations():
 
 @needs_kernels
 @pytest.mark.slow
-def test_fused_decode_takes_int8_and_agrees_with_prefill():
+def test_fused_decode_takes_int8_and_agrees_with_prefill(monkeypatch):
     """The fused decode layer takes the int8 kernels, and its rows agree with the prefill's over the same
     tokens. Not bit for bit: attention sums in another order there, and an input that moves by 1e-7 can
     round to the neighbouring int8 step, so the two paths differ by about as much as int8 differs from
-    exact (measured: 3% relative logit error either way); the argmax agrees."""
+    exact (measured: 3% relative logit error either way); the argmax agrees. With AMX off, as in
+    test_default_model_agrees_with_exact_activations: AMX tiles keep exact activations."""
     from quill.config import CacheConfig, EngineConfig
     from quill.engine.consistency import prefill_vs_decode
     from quill.engine.engine import LLMEngine
@@ -254,6 +258,7 @@ def test_fused_decode_takes_int8_and_agrees_with_prefill():
     def engine(activations):
         return LLMEngine(EngineConfig(activations=activations, cache=CacheConfig(num_blocks_override=16)))
 
+    monkeypatch.setenv("QUILL_NO_AMX", "1")
     int8 = engine("int8")
     assert int8.runner.fused is not None and int8.runner.fused.options.int8
     ids = int8.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it rests in the sun.")

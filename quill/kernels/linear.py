@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quill.kernels import gemm
+
 
 class DenseLinear(nn.Module):
     """y = x @ W.T + b with an fp32 (or model-dtype) weight held as one tensor."""
@@ -23,6 +25,9 @@ class DenseLinear(nn.Module):
         return self.weight.shape[1]
 
     def forward(self, x: torch.Tensor, gemv_rows: int = 0) -> torch.Tensor:  # (T, in) -> (T, out)
+        if x.dim() == 2 and x.shape[0] >= gemm.MIN_ROWS and self.weight.dtype == x.dtype == torch.float32:
+            out = gemm.matmul_t(x.contiguous(), self.weight, torch.empty(x.shape[0], self.out_features))
+            return out if self.bias is None else out.add_(self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def resident_bytes(self) -> int:

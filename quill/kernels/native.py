@@ -16,7 +16,7 @@ from pathlib import Path
 logger = logging.getLogger("quill.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c", "kquant_i8.c", "kquant_i8_avx2.c")]
+SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c", "kquant_i8.c", "kquant_i8_avx2.c", "amx_gemm.c")]
 HEADERS = [CSRC / "isa.h", CSRC / "simd.h", CSRC / "attend_kv.h", CSRC / "kformat.h", CSRC / "kquant_i8.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
@@ -117,6 +117,13 @@ def load(emulate: str | None = None) -> ctypes.CDLL | None:
     lib.quill_amx_dequant.restype = None
     lib.quill_amx_scratch_bytes.argtypes = [I, I]
     lib.quill_amx_scratch_bytes.restype = ctypes.c_long
+    # the prefill GEMM on AMX-BF16 tiles (amx_gemm.c): x, w, out, M, N, K, ldo, scratch, threads -> 0 or -1
+    lib.quill_amx_bf16_hw.argtypes = []
+    lib.quill_amx_bf16_hw.restype = I
+    lib.quill_x3_scratch_bytes.argtypes = [I, I, I]
+    lib.quill_x3_scratch_bytes.restype = ctypes.c_long
+    lib.quill_x3_gemm.argtypes = [P, P, P, I, I, I, I, P, I]
+    lib.quill_x3_gemm.restype = I
     lib.quill_gemv_kq.argtypes = [I, P, P, P, P, I, I, I, I, I, I]  # kind, blocks, x, xs, out, N, K, B, ld, isa, threads
     lib.quill_gemv_kq.restype = None
     lib.quill_dequant_kq.argtypes = [I, P, P, I, I, I]

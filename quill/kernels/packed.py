@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from quill.kernels import native, options
+from quill.kernels import gemm, native, options
 from quill.kernels.dequant import unpack_blocks
 
 GROUP = 32
@@ -204,6 +204,10 @@ class Workspace:
             self._tile = torch.empty(numel)
         return self._tile[:numel]
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """At least nbytes of raw scratch (the sums' buffer: the prefill GEMM's, between GEMV calls)."""
+        return self.sums(-(-nbytes // 4))
+
     def sums(self, numel: int) -> torch.Tensor:
         """numel floats (also used as raw scratch bytes by the tiled kernel)."""
         if self._sums.numel() < numel:
@@ -212,7 +216,8 @@ class Workspace:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T (+ b) on packed weights: GEMV kernel for decode rows, dequant tile + BLAS for prefill.
+    """y = x @ W.T (+ b) on packed weights: GEMV kernel for decode rows, dequant tile + quill.kernels.gemm
+    (AMX-BF16 tiles or BLAS) for prefill.
 
     `weight` is a PackedWeight or its AMX-tiled form (quill.kernels.tiled.TiledWeight)."""
 
@@ -239,7 +244,7 @@ class PackedLinear(nn.Module):
         if kernel_rows < T:
             w = self.weight.dequantize(self.workspace.tile(self.out_features * self.in_features).view(
                 self.out_features, self.in_features))
-            torch.mm(x[kernel_rows:], w.t(), out=out[kernel_rows:])
+            gemm.matmul_t(x[kernel_rows:], w, out[kernel_rows:], self.workspace.scratch)
         if self.bias is not None:
             out += self.bias
         return out

@@ -10,7 +10,7 @@
  * intrinsic from AVX2 code with the instruction's defined result (fused FMAs stay fused), the
  * attributes are empty, and CPU_HAS reports AVX-512 F/BW/VL/DQ, and VNNI unless
  * QUILL_EMULATE_NO_VNNI is defined too. With QUILL_EMULATE_AMX as well, the AMX tile unit is
- * emulated below and amx_gemv.c builds its tile GEMV on it. So the AVX-512 rows, VNNI tiles, AMX
+ * emulated below and amx_gemv.c builds its tile GEMV on it (amx_gemm.c its BF16 GEMM). So the AVX-512 rows, VNNI tiles, AMX
  * tiles and attention run, as written, on the AVX2-only hosts CI may have, only slower.
  */
 #ifndef QUILL_ISA_H
@@ -176,11 +176,36 @@ static inline void quill_emu_tile_dp(int c, int a, int b, int b_signed) {
             memcpy(&quill_emu_amx.reg[c][m][4 * n], &acc, 4);
         }
 }
+/* TDPBF16PS: C[m][n] (fp32) += A[m][2k] * B[k][2n] then += A[m][2k + 1] * B[k][2n + 1], for k < colsb(A) / 4,
+ * each addition rounded to nearest even; bf16 inputs that are denormal read as zero, denormal results
+ * are flushed to zero (a bf16 product is exact in fp32, so fmaf rounds as the instruction does). */
+static inline float quill_emu_bf16(const uint8_t *p) {
+    uint32_t u = (uint32_t)(p[0] | p[1] << 8) << 16;
+    if (!(u & 0x7f800000u)) u &= 0x80000000u;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline float quill_emu_ftz(float f) { return fabsf(f) < 1.17549435e-38f ? copysignf(0.0f, f) : f; }
+static inline void quill_emu_tile_dpbf16ps(int c, int a, int b) {
+    const int M = quill_emu_amx.cfg.rows[c], N = quill_emu_amx.cfg.colsb[c] / 4, K = quill_emu_amx.cfg.colsb[a] / 4;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            float acc;
+            memcpy(&acc, &quill_emu_amx.reg[c][m][4 * n], 4);
+            for (int k = 0; k < K; k++)
+                for (int r = 0; r < 2; r++)
+                    acc = quill_emu_ftz(fmaf(quill_emu_bf16(&quill_emu_amx.reg[a][m][4 * k + 2 * r]),
+                                             quill_emu_bf16(&quill_emu_amx.reg[b][k][4 * n + 2 * r]), acc));
+            memcpy(&quill_emu_amx.reg[c][m][4 * n], &acc, 4);
+        }
+}
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbssd
 #undef _tile_dpbsud
+#undef _tile_dpbf16ps
 #define _tile_loadconfig(cfg) quill_emu_tile_loadconfig(cfg)
 #define _tile_release() ((void)0)
 #define _tile_loadd(t, base, stride) quill_emu_tile_loadd(t, base, stride)
@@ -188,6 +213,7 @@ static inline void quill_emu_tile_dp(int c, int a, int b, int b_signed) {
 #define _tile_zero(t) memset(quill_emu_amx.reg[t], 0, sizeof quill_emu_amx.reg[t])
 #define _tile_dpbssd(c, a, b) quill_emu_tile_dp(c, a, b, 1)
 #define _tile_dpbsud(c, a, b) quill_emu_tile_dp(c, a, b, 0)
+#define _tile_dpbf16ps(c, a, b) quill_emu_tile_dpbf16ps(c, a, b)
 #endif
 
 #else

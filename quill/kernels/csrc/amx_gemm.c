@@ -1,0 +1,204 @@
+/* Prefill GEMM on Intel AMX-BF16 tiles with fp32 accuracy: out (M, N) = x (M, K) @ w (N, K)^T, both fp32.
+ *
+ * Every fp32 value v is the exact sum of three bf16 parts: v0 = bf16(v) (round to nearest even), v1 =
+ * bf16(v - v0), v2 = v - v0 - v1 (each difference is exact in fp32, and what is left after two 8-bit
+ * roundings of a 24-bit significand fits in 8 bits). Of the nine products of x's parts with w's, the six
+ * with i + j <= 2 are summed (x0 w0, x0 w1, x0 w2, x1 w0, x1 w1, x2 w0); the three left out are each at most
+ * 2^-24 |x| |w|, below fp32's own rounding of the sum. A bf16 product is exact in fp32, and TDPBF16PS adds
+ * the products into fp32 accumulators with round-to-nearest-even (inputs and results that are fp32
+ * denormals are flushed to zero), so the result is an fp32 dot product in another summation order: on
+ * random data its error is below that of a sequential fp32 FMA chain (tests/test_amx_gemm.py). A NaN or an
+ * infinity in x or w makes the dot it enters NaN.
+ *
+ * Tiles: the weight is the A operand, 16 weight rows x 32 k (row-major bf16, as split here from w's
+ * rows); x is the B operand, in VNNI order: tile row kk holds, for each of 16 tokens, the pair
+ * (x[2kk], x[2kk + 1]). C is (weight row, token), transposed on the way out. A thread takes 32 weight
+ * rows at a time (2 A tiles x 3 parts, split into its scratch once per K block of 2048, so a block stays
+ * in L2) and runs every token through them, 32 at a time (2 B tiles): 4 C tiles of fp32 kept over the
+ * whole K (spilled to scratch between K blocks), 24 tile products per 32 k.
+ *
+ * AMX-BF16 intrinsics need GCC 11 or clang 12; elsewhere quill_amx_bf16_hw() reports 0 and the caller
+ * keeps BLAS. The AVX-512 emulation build with QUILL_EMULATE_AMX (isa.h) runs this code on its emulated
+ * tile unit, so the tests check the layout and the arithmetic on any AVX2 host.
+ */
+#include "isa.h"
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define X3_KB 2048 /* K block: one thread's split weight rows, 32 x 2048 x 3 bf16 = 384 KiB */
+
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define X3_COMPILER 1
+#else
+#define X3_COMPILER 0
+#endif
+
+#if X3_COMPILER && (!defined(QUILL_EMULATE_AVX512) || defined(QUILL_EMULATE_AMX))
+
+#ifdef QUILL_EMULATE_AMX
+#define AMXBF __attribute__((unused))
+#else
+#define AMXBF __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+#endif
+
+int quill_amx_enable(void); /* amx_gemv.c: the OS's permission for the tile state */
+
+/* What the CPU can run (a fact): the AMX tile unit with BF16 products, and AVX-512 BW. */
+int quill_amx_bf16_hw(void) {
+#ifdef QUILL_EMULATE_AMX
+    return 1;
+#else
+    static int cached = -1;
+    if (cached < 0) {
+        unsigned a, b, c, d;
+        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        cached = ((d >> 22) & 1) && ((d >> 24) & 1) && __builtin_cpu_supports("avx512bw");
+    }
+    return cached;
+#endif
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) X3TileConfig;
+
+static inline int x3_blocks(int M) { return (M + 15) / 16; }
+
+/* Bytes of scratch quill_x3_gemm needs: x's parts, and per thread the split weight rows and C spills. */
+long quill_x3_scratch_bytes(int M, int K, int threads) {
+    const long mb = x3_blocks(M), per_thread = 2L * X3_KB * 16 * 3 * 2 + (mb + 1) * 1024 * 4;
+    return 64 + mb * 16 * K * 3 * 2 + (long)(threads > 0 ? threads : 1) * per_thread;
+}
+
+/* 16 fp32 -> its three bf16 parts, each in the low half of an int32 lane. */
+AMXBF static inline void split3(__m512 v, __m512i part[3]) {
+    for (int p = 0; p < 3; p++) {
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        part[p] = h;
+        v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+    }
+}
+
+/* x's 16-token block mb, k chunk kc -> three 1 KiB B tiles (VNNI order) at dst. */
+AMXBF static void split_x_tile(const float *x, int M, int K, int mb, int kc, uint16_t *dst) {
+    _Alignas(64) uint32_t pairs[3][16][16]; /* [part][token][kk] */
+    for (int j = 0; j < 16; j++) {
+        const int m = mb * 16 + j;
+        for (int h = 0; h < 2; h++) {
+            __m512i part[3];
+            split3(m < M ? _mm512_loadu_ps(x + (long)m * K + kc * 32 + 16 * h) : _mm512_setzero_ps(), part);
+            for (int p = 0; p < 3; p++) _mm256_store_si256((__m256i *)&pairs[p][j][8 * h], _mm512_cvtepi32_epi16(part[p]));
+        }
+    }
+    uint32_t *t = (uint32_t *)dst;
+    for (int p = 0; p < 3; p++)
+        for (int kk = 0; kk < 16; kk++)
+            for (int j = 0; j < 16; j++) t[p * 256 + kk * 16 + j] = pairs[p][j][kk];
+}
+
+/* 16 weight rows, k in [k0, k0 + kn) -> per k chunk three 1 KiB A tiles (row-major) at dst. */
+AMXBF static void split_w_rows(const float *w, int K, int k0, int kn, uint16_t *dst) {
+    for (int r = 0; r < 16; r++)
+        for (int kc = 0; kc < kn / 32; kc++)
+            for (int h = 0; h < 2; h++) {
+                __m512i part[3];
+                split3(_mm512_loadu_ps(w + (long)r * K + k0 + kc * 32 + 16 * h), part);
+                for (int p = 0; p < 3; p++)
+                    _mm256_store_si256((__m256i *)(dst + ((long)kc * 3 + p) * 512 + r * 32 + 16 * h),
+                                       _mm512_cvtepi32_epi16(part[p]));
+            }
+}
+
+/* C tile (16 weight rows x 16 tokens) -> out rows m0.., columns n0.. (tokens past M dropped). */
+static inline void store_transposed(const float *c, float *out, long ldo, int m0, int M, int n0) {
+    for (int j = 0; j < 16 && m0 + j < M; j++)
+        for (int r = 0; r < 16; r++) out[(long)(m0 + j) * ldo + n0 + r] = c[r * 16 + j];
+}
+
+/* Tile registers: C in 0-3 ((w0, x0), (w0, x1), (w1, x0), (w1, x1)), weight parts in 4/5, x parts in 6/7. */
+#define X3_LW(p) do { _tile_loadd(4, wa + (p) * 512, 64); _tile_loadd(5, wb + (p) * 512, 64); } while (0)
+#define X3_LX(p) do { _tile_loadd(6, xa + (p) * 512, 64); _tile_loadd(7, xb + (p) * 512, 64); } while (0)
+#define X3_DP4 do { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); } while (0)
+
+/* out (M, ldo) columns [0, N) = x (M, K) @ w (N, K)^T. Returns 0, or -1 where it cannot run (N or K not
+ * a multiple of 32, no AMX-BF16, or the OS refused the tile state): the caller then uses BLAS.
+ * scratch: quill_x3_scratch_bytes(M, K, threads) bytes. */
+AMXBF int quill_x3_gemm(const float *x, const float *w, float *out, int M, int N, int K, int ldo, void *scratch,
+                        int threads) {
+    if (N % 32 || K % 32 || M < 1 || !quill_amx_bf16_hw() || !quill_amx_enable()) return -1;
+    threads = threads > 0 ? threads : 1;
+    const int MB = x3_blocks(M), KC = K / 32;
+    uint16_t *xp = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    char *per_thread = (char *)(xp + (long)MB * 16 * K * 3);
+    const long thread_bytes = 2L * X3_KB * 16 * 3 * 2 + (long)(MB + 1) * 1024 * 4;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int mb = 0; mb < MB; mb++)
+            for (int kc = 0; kc < KC; kc++) split_x_tile(x, M, K, mb, kc, xp + ((long)mb * KC + kc) * 1536);
+        /* (the loop's barrier: every x tile is written before any product) */
+        X3TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        _tile_loadconfig(&cfg);
+        uint16_t *wp = (uint16_t *)(per_thread + (long)omp_get_thread_num() * thread_bytes);
+        float *spill = (float *)(wp + 2L * X3_KB * 16 * 3);
+        _Alignas(64) float ct[4][256];
+#pragma omp for schedule(static)
+        for (int nb = 0; nb < N / 32; nb++) {
+            for (int k0 = 0; k0 < K; k0 += X3_KB) {
+                const int kn = K - k0 < X3_KB ? K - k0 : X3_KB, kcn = kn / 32, last = k0 + kn == K;
+                split_w_rows(w + (long)nb * 32 * K, K, k0, kn, wp);
+                split_w_rows(w + ((long)nb * 32 + 16) * K, K, k0, kn, wp + (long)kcn * 1536);
+                for (int mb = 0; mb < MB; mb += 2) {
+                    const int mb1 = mb + 1 < MB ? mb + 1 : mb; /* an odd last block runs twice, kept once */
+                    float *c = spill + (long)mb * 512;
+                    if (k0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+                    else { _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64); _tile_loadd(2, c + 512, 64); _tile_loadd(3, c + 768, 64); }
+                    for (int kc = 0; kc < kcn; kc++) {
+                        const uint16_t *wa = wp + (long)kc * 1536, *wb = wp + (long)(kcn + kc) * 1536;
+                        const uint16_t *xa = xp + ((long)mb * KC + k0 / 32 + kc) * 1536;
+                        const uint16_t *xb = xp + ((long)mb1 * KC + k0 / 32 + kc) * 1536;
+                        /* the six products, ordered so that 16 tile loads serve 24 products */
+                        X3_LX(0); X3_LW(0); X3_DP4; X3_LW(1); X3_DP4; X3_LW(2); X3_DP4;
+                        X3_LX(1); X3_LW(1); X3_DP4; X3_LW(0); X3_DP4;
+                        X3_LX(2); X3_DP4;
+                    }
+                    if (!last) {
+                        _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+                        continue;
+                    }
+                    for (int t = 0; t < 4; t++) {
+                        switch (t) { /* tile register numbers must be literals */
+                        case 0: _tile_stored(0, ct[0], 64); break;
+                        case 1: _tile_stored(1, ct[1], 64); break;
+                        case 2: _tile_stored(2, ct[2], 64); break;
+                        default: _tile_stored(3, ct[3], 64); break;
+                        }
+                        const int m = (t & 1) ? mb1 : mb;
+                        if ((t & 1) && mb1 == mb) continue;
+                        store_transposed(ct[t], out, ldo, m * 16, M, nb * 32 + (t >> 1) * 16);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+#else /* no AMX-BF16 support in this compiler, or the AVX-512 emulation build without the tile unit */
+
+int quill_amx_bf16_hw(void) { return 0; }
+long quill_x3_scratch_bytes(int M, int K, int threads) { return 0; }
+int quill_x3_gemm(const float *x, const float *w, float *out, int M, int N, int K, int ldo, void *scratch,
+                  int threads) { return -1; }
+
+#endif
