@@ -83,14 +83,19 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
             } else {
                 tile = (const int8_t *)codes + ((long)rb * C + c) * 1024;
             }
+            const uint32_t *quads = (const uint32_t *)tile; /* dword 16 kk + j: row j's codes 4 kk .. 4 kk + 3 */
             for (int j = 0; j < 16; j++) {
+                _Alignas(64) uint32_t row[16]; /* row j's 64 codes in column order */
+                for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
                 float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
                 for (int h = 0; h < 2; h++) {
                     const long gi = ((long)rb * G + 2 * c + h) * 16 + j;
-                    const float s = group_value(scale, gi, half), m = mins ? group_value(mins, gi, half) : 0.f;
-                    for (int k = 32 * h; k < 32 * h + 32; k++) {
-                        int code = !(kind & 1) ? ((const uint8_t *)tile)[(k / 4) * 64 + j * 4 + k % 4] : tile[(k / 4) * 64 + j * 4 + k % 4];
-                        o[k] = fmaf((float)code, s, m);
+                    const __m512 s = _mm512_set1_ps(group_value(scale, gi, half));
+                    const __m512 m = _mm512_set1_ps(mins ? group_value(mins, gi, half) : 0.f);
+                    for (int q = 0; q < 2; q++) { /* value = fmaf(code, scale, min), 16 at a time */
+                        const __m128i b = _mm_load_si128((const __m128i *)((const uint8_t *)row + 32 * h + 16 * q));
+                        const __m512i code = (kind & 1) ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+                        _mm512_storeu_ps(o + 32 * h + 16 * q, _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), s, m));
                     }
                 }
             }
