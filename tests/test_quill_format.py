@@ -207,7 +207,9 @@ def _first_packed(specs):
 _CRAFTED = {
     "scale-is-codes": _edit_structure(lambda s: _first_packed(s).update(scale=_first_packed(s)["codes"])),
     "q4-as-q8": _edit_structure(lambda s: _first_packed(s).update(kind="q8" if _first_packed(s)["kind"] == "q4" else "q4")),
-    "tiles-in-portable": _edit_structure(lambda s: _first_packed(s).update(t="tiled")),
+    # the layout named too: on a CPU with AMX the default conversion is an amx file, whose weights are tiles
+    "tiles-in-portable": lambda m: (_edit_structure(lambda s: _first_packed(s).update(t="tiled"))(m),
+                                    m.update({"quill.layout": "portable"})),
     "missing-tensor": _edit_structure(lambda s: _first_packed(s).update(codes="nowhere")),
     "wrong-width": _edit_structure(lambda s: s["linear model.layers.0.mlp.down_proj"].update(
         json.loads(json.dumps(s["linear model.layers.0.self_attn.o_proj"])))),  # o_proj's (576, 576) as down's
