@@ -13,6 +13,7 @@ import torch
 from quill.kernels import native, options
 
 MIN_ROWS = 17  # fewer rows than this are decode-sized: the GEMV kernels' or BLAS's work
+MAX_ROWS = 512  # rows per kernel call: its scratch (6 bytes per element of x) stays bounded for long prompts
 
 
 def amx_bf16_usable(opts: options.KernelOptions | None = None) -> bool:
@@ -32,8 +33,14 @@ def matmul_t(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scratch=None) 
     if (M >= MIN_ROWS and x.dtype == w.dtype == out.dtype == torch.float32 and x.is_contiguous()
             and w.is_contiguous() and out.is_contiguous() and amx_bf16_usable(opts)):
         lib = native.load()
-        nbytes = lib.quill_x3_scratch_bytes(M, K, opts.threads)
+        rows = min(M, MAX_ROWS)
+        nbytes = lib.quill_x3_scratch_bytes(rows, K, opts.threads)
         buf = scratch(nbytes) if scratch is not None else torch.empty(nbytes, dtype=torch.uint8)
-        if lib.quill_x3_gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, N, buf.data_ptr(), opts.threads) == 0:
+        for r in range(0, M, rows):  # each call refuses or runs whole: the shape test is the same for all
+            n = min(rows, M - r)
+            if lib.quill_x3_gemm(x[r].data_ptr(), w.data_ptr(), out[r].data_ptr(), n, N, K, N, buf.data_ptr(),
+                                 opts.threads) != 0:
+                break
+        else:
             return out
     return torch.mm(x, w.t(), out=out)
