@@ -97,6 +97,9 @@ def test_matmul_t_takes_tiles_only_where_allowed(lib):
         assert _error(gemm.matmul_t(x, w, torch.empty(40, 96)), x, w) < BOUND
         few = x[: gemm.MIN_ROWS - 1]  # decode-sized: BLAS
         assert torch.equal(gemm.matmul_t(few, w, torch.empty(len(few), 96)), torch.mm(few, w.T))
+        many = torch.randn(gemm.MAX_ROWS + 37, 64, generator=g)  # two kernel calls: every row written
+        got = gemm.matmul_t(many, w, torch.full((len(many), 96), float("nan")))
+        assert got.isfinite().all() and _error(got, many, w) < BOUND
         odd = torch.randn(96, 48)  # K = 48: refused by the kernel, BLAS
         assert torch.equal(gemm.matmul_t(x[:, :48].contiguous(), odd, torch.empty(40, 96)), torch.mm(x[:, :48], odd.T))
 
