@@ -56,6 +56,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text!r}")
+    return value
+
+
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="a .gguf file, a .quill file (quill convert) or a Hugging Face folder (config.json + "

@@ -81,6 +81,7 @@ class Mock:
             if not self.stats:
                 return JSONResponse({"error": "no"}, status_code=404)
             growth = self.flaws.get("rss_per_request", 0) * self.count
+            growth += self.flaws.get("rss_first_touch", 0) * min(self.count, 40)  # reserved, touched once
             return JSONResponse({"in_flight": 0, "max_model_len": 500, "engine": {
                 "running": 0, "waiting": 0, "kv_blocks_total": 100, "kv_blocks_cached": 4,
                 "kv_blocks_used": self.abandoned if self.flaws.get("leak") else 0,
@@ -189,6 +190,23 @@ def test_broken_mock_fails_each_criterion_with_evidence(tmp_path, capsys):
     assert "result: FAIL" in out and "FAIL  no leaked KV blocks" in out and "5xx: bad" in out
 
 
+def test_warmup_keeps_first_touch_out_of_rss_growth(tmp_path, capsys):
+    # Memory touched during the first 40 requests only (a lazily mapped pool) is growth when the baseline
+    # follows the reference runs, and none when it follows the warm-up storm.
+    storm = ("--duration", "1", "--concurrency", "4", "--max-tokens", "6", "--disconnect", "0", "--bad-input", "0")
+    code, cold = run_mock(Mock(rss_first_touch=1_000_000), tmp_path, *storm, "--warmup", "0")
+    assert code == 1 and verdicts(cold)["RSS growth < 5%"] is False and cold["rss_growth"] > 0.05, cold["criteria"]
+    assert cold["warmup_seconds"] == 0 and not any(r["warmup"] for r in cold["requests"])
+    capsys.readouterr()
+    code, warm = run_mock(Mock(rss_first_touch=1_000_000), tmp_path, *storm, "--warmup", "1")
+    out = capsys.readouterr().out
+    assert code == 0 and warm["rss_growth"] == 0.0, out
+    warmup = [r for r in warm["requests"] if r["warmup"]]
+    assert len(warmup) > 40 and all(r["outcome"] == "completed" for r in warmup)  # checked like the rest
+    assert warm["counts"]["total"] == len(warm["requests"]) > len(warmup)
+    assert "s warm-up:" in out and "before (after the warm-up)" in out
+
+
 def test_server_without_stats_or_guided_decoding(tmp_path, capsys):
     code, result = run_mock(Mock(stats=False, no_guided=True), tmp_path, "--duration", "0.5", "--concurrency", "2",
                             "--max-tokens", "4", "--disconnect", "0", "--bad-input", "0", "--faulty", "0.5")
@@ -207,6 +225,9 @@ def test_arguments_and_unreachable_server(capsys):
     with pytest.raises(SystemExit):
         run_cli("--base-url", "http://127.0.0.1:9", "--faulty", "1.5")
     assert "fraction" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_cli("--base-url", "http://127.0.0.1:9", "--warmup", "-1")
+    assert "expected a number of at least 0, got '-1'" in capsys.readouterr().err
     assert run_cli("--base-url", f"http://127.0.0.1:{free_port()}", "--duration", "1") == 1
     assert "cannot list models" in capsys.readouterr().err
 

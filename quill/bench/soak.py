@@ -15,7 +15,7 @@ import httpx
 
 from quill.bench.client import first_model_id, make_client, normalize_base_url
 from quill.bench.serve import positive_int
-from quill.cli_args import positive_float
+from quill.cli_args import non_negative_float, positive_float
 from quill.bench.soak_cases import BAD_CASES, healthy_pool
 from quill.bench.soak_storm import (KINDS, OUTCOMES, SoakConfig, Storm, fault_phases, read_gauges, reference_texts,
                                     tally, wait_idle)
@@ -38,9 +38,10 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="storm a server with healthy, abandoned, bad and fault-injected requests, then check its health",
         description="Run a bounded storm against an OpenAI-compatible server (POST /v1/chat/completions) and "
                     "report whether it stayed healthy. Each pool prompt is first run alone to get its reference "
-                    "text; then --concurrency workers send requests until --duration is over. Afterwards the "
+                    "text; then --concurrency workers send requests for --warmup seconds, the server settles "
+                    "and its RSS is read, and the workers go on until --duration is over. Afterwards the "
                     "server must become idle, and GET /v1/stats (quill's gauges) gives leaked KV blocks and RSS "
-                    "growth. Criteria: no 5xx, no lost request, no healthy request refused, no healthy reply "
+                    "growth since the warm-up. Criteria: no 5xx, no lost request, no healthy request refused, no healthy reply "
                     "different from its reference, no leaked KV block, RSS growth under 5%. Exit code 0 only "
                     "when every criterion passes (one the server cannot report, without /v1/stats, is n/a).",
         epilog="Fault injection needs a quill server started with --enable-fault-injection (without it quill "
@@ -52,6 +53,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=positive_float, default=60.0, metavar="SECONDS",
                         help="how long workers keep starting requests; requests in flight then finish "
                              "(default %(default)s)")
+    parser.add_argument("--warmup", type=non_negative_float, default=None, metavar="SECONDS",
+                        help="a storm of the same mix before the RSS baseline, so memory that a server reserves "
+                             "and first touches under load (a lazily mapped KV pool, full-batch buffers) is not "
+                             "counted as growth; its requests are checked like the rest; 0 reads the baseline "
+                             "right after the reference runs (default: 10, or a quarter of --duration if less)")
     parser.add_argument("--concurrency", type=positive_int, default=8, metavar="N",
                         help="workers, each with one request in flight at a time (default %(default)s)")
     parser.add_argument("--disconnect", type=fraction, default=0.3, metavar="FRACTION",
@@ -91,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         disconnect=args.disconnect, bad_input=args.bad_input, faulty=args.faulty, max_tokens=args.max_tokens,
         seed=args.seed, model=args.model, api_key=args.api_key, request_timeout_s=args.request_timeout,
         settle_s=args.settle,
+        warmup_s=min(10.0, args.duration / 4) if args.warmup is None else args.warmup,
     )
 
 
@@ -155,7 +162,16 @@ async def soak(config: SoakConfig, out: TextIO, progress: bool = False) -> dict:
         before = await read_gauges(client)
         context = (before or {}).get("max_model_len") or 32768
         storm = Storm(config, model, int(context), pool, references)
-        seconds = await storm.run(client, on_outcome=progress_printer(storm, config) if progress else None)
+        show = progress_printer(storm, config) if progress else None
+        warm_seconds = 0.0
+        if config.warmup_s > 0:
+            # The first minutes under load touch memory that is reserved, not leaked: the KV pool's pages
+            # (mapped lazily), buffers sized for full batches, the allocator's per-thread arenas. The
+            # baseline is read after a warm-up storm, so RSS growth measures what the storm keeps.
+            warm_seconds = await storm.run(client, on_outcome=show, warmup=True)
+            warm_gauges, _, _ = await wait_idle(client, config.settle_s)
+            before = warm_gauges or before
+        seconds = await storm.run(client, on_outcome=show)
         if progress:
             print(file=sys.stderr)
         after, idle, waited = await wait_idle(client, config.settle_s)
@@ -166,7 +182,7 @@ async def soak(config: SoakConfig, out: TextIO, progress: bool = False) -> dict:
     passed = all(row["passed"] is not False for row in rows)
     return {
         "config": {**config.__dict__, "api_key": "***" if config.api_key else None},
-        "model": model, "storm_seconds": round(seconds, 3), "references": references, "skipped_pool_items": skipped,
+        "model": model, "warmup_seconds": round(warm_seconds, 3), "storm_seconds": round(seconds, 3), "references": references, "skipped_pool_items": skipped,
         "counts": counts, "gauges_before": before, "gauges_after": after, "idle": idle,
         "settle_seconds": round(waited, 3), "rss_growth": rss_growth(before, after),
         "criteria": rows, "passed": passed,
@@ -184,7 +200,8 @@ def progress_printer(storm: Storm, config: SoakConfig):
 def print_report(result: dict, out: TextIO) -> None:
     counts = result["counts"]
     sent = counts["sent"]
-    print(f"\nstorm: {counts['total']} requests in {result['storm_seconds']:.1f} s: "
+    warmup = f" after a {result['warmup_seconds']:.1f} s warm-up" if result["warmup_seconds"] else ""
+    print(f"\nstorm: {counts['total']} requests in {result['storm_seconds']:.1f} s{warmup}: "
           + ", ".join(f"{kind} {sent[kind]}" for kind in KINDS)
           + f" ({sum(counts['streaming'].values())} streaming)", file=out)
     for kind in KINDS:
@@ -204,7 +221,7 @@ def print_report(result: dict, out: TextIO) -> None:
                        ("refused", "refused_samples"), ("mismatch", "mismatch_samples")):
         for sample in counts[key][:5]:
             print(f"  {title}: {sample['kind']} {sample['case']} ({'stream' if sample['stream'] else 'json'}) "
-                  f"at {sample['start_s']:.1f} s: {sample['detail']}", file=out)
+                  f"at {sample['start_s']:.1f} s{' of the warm-up' if sample['warmup'] else ''}: {sample['detail']}", file=out)
     after, before = result["gauges_after"], result["gauges_before"]
     if after is None:
         print("server gauges: not available (no GET /v1/stats)", file=out)
@@ -215,7 +232,7 @@ def print_report(result: dict, out: TextIO) -> None:
               f"{after.get('kv_blocks_used')} of {after.get('kv_blocks_total')} (prefix-cached, free: "
               f"{after.get('kv_blocks_cached')})", file=out)
         growth = result["rss_growth"]
-        print(f"RSS: {mib((before or {}).get('process_rss_bytes'))} before, {mib(after.get('process_rss_bytes'))} after"
+        print(f"RSS: {mib((before or {}).get('process_rss_bytes'))} before{' (after the warm-up)' if warmup else ''}, {mib(after.get('process_rss_bytes'))} after"
               + ("" if growth is None else f", {growth:+.2%}"), file=out)
     for row in result["criteria"]:
         verdict = "n/a " if row["passed"] is None else ("PASS" if row["passed"] else "FAIL")

@@ -48,6 +48,7 @@ class SoakConfig:
     request_timeout_s: float = 120.0  # a request still unanswered after this is lost
     settle_s: float = 10.0  # after the storm, how long the server may take to become idle
     rss_growth_limit: float = 0.05
+    warmup_s: float = 0.0  # a storm of the same mix before the RSS baseline; its requests are checked too
 
     def validate(self) -> None:
         for name in ("disconnect", "bad_input", "faulty"):
@@ -59,6 +60,8 @@ class SoakConfig:
                              f"(got {self.disconnect + self.bad_input + self.faulty:g}); the rest are healthy requests")
         if not self.duration_s > 0 or self.concurrency < 1 or self.max_tokens < 1:
             raise ValueError("--duration, --concurrency and --max-tokens must be positive")
+        if not self.warmup_s >= 0:
+            raise ValueError(f"--warmup must be at least 0 seconds, got {self.warmup_s}")
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Outcome:
     start_s: float = 0.0  # seconds after the storm began
     seconds: float = 0.0
     chunks: int = 0  # content chunks read (streams)
+    warmup: bool = False  # sent during the warm-up, before the RSS baseline
 
 
 @dataclass
@@ -264,15 +268,17 @@ class Storm:
         return Outcome(kind, case, stream, outcome, reply.status, detail, round(start - origin, 3),
                        round(time.perf_counter() - start, 3), reply.chunks)
 
-    async def run(self, client: httpx.AsyncClient, on_outcome=None) -> float:
-        """Every worker loops until the duration is over (the request in flight finishes); seconds taken."""
+    async def run(self, client: httpx.AsyncClient, on_outcome=None, *, warmup: bool = False) -> float:
+        """Every worker loops until the duration (or the warm-up) is over, the request in flight
+        finishing; seconds taken. Warm-up workers draw from their own random streams."""
         origin = time.perf_counter()
-        deadline = origin + self.config.duration_s
+        deadline = origin + (self.config.warmup_s if warmup else self.config.duration_s)
 
         async def worker(index: int) -> None:
-            rng = random.Random(f"{self.config.seed}-{index}")
+            rng = random.Random(f"{self.config.seed}-{'warmup-' if warmup else ''}{index}")
             while time.perf_counter() < deadline:
                 outcome = await self.one(client, rng, origin)
+                outcome.warmup = warmup
                 self.outcomes.append(outcome)
                 if on_outcome is not None:
                     on_outcome(outcome)
