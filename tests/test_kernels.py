@@ -9,7 +9,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from quill.kernels import native, tiled
-from quill.kernels.packed import PACKABLE, PackedLinear, PackedWeight, Workspace, concat_rows, pack_gguf
+from quill.kernels.kquant import BlockWeight
+from quill.kernels.packed import PACKABLE, PackedLinear, PackedWeight, SplitWeight, Workspace, concat_rows, pack_gguf
 
 from test_gguf import random_tensor
 
@@ -71,9 +72,11 @@ def test_kernel_rows_are_batch_invariant(qtype):
     assert torch.equal(lin(mixed, gemv_rows=3)[:3], full[:3])
 
 
-# The types whose weights take the q4/q8 layouts, which are what the AMX tiling converts (the others
-# keep their GGUF blocks: quill.kernels.kquant).
-TILED_TYPES = [t for t in TYPES if isinstance(packed(t)[0], PackedWeight)]
+# The types whose weights take the q4/q8 layouts, which the AMX tiling converts, and the GGUF block
+# types it tiles with their own scales (the others keep their GGUF blocks: quill.kernels.kquant).
+PACKED_TILED = [t for t in TYPES if isinstance(packed(t)[0], PackedWeight)]
+BLOCK_TILED = [Q.Q4_K, Q.IQ4_XS, Q.Q6_K]
+TILED_TYPES = PACKED_TILED + BLOCK_TILED
 
 
 def tiled_pair(qtype, rows=48, seed=0):
@@ -82,9 +85,11 @@ def tiled_pair(qtype, rows=48, seed=0):
     return w, tiled.tile_weight(w), ref
 
 
-def test_tiled_types_are_the_q4_q8_layouts():
-    assert [t.name for t in TILED_TYPES] == ["Q4_0", "Q4_1", "Q5_1", "Q8_0"]
-    assert tiled.for_cpu(packed(Q.Q4_K)[0]) is not None  # a block weight passes through for_cpu unchanged
+def test_tiled_types_are_the_q4_q8_layouts_and_three_block_types():
+    assert [t.name for t in PACKED_TILED] == ["Q4_0", "Q4_1", "Q5_1", "Q8_0"]
+    w = packed(Q.Q2_K)[0]
+    assert tiled.tile_weight(w) is None and tiled.for_cpu(w) is w  # other block weights pass through unchanged
+    assert all(isinstance(packed(t)[0], BlockWeight) for t in BLOCK_TILED)
 
 
 @needs_amx
@@ -96,7 +101,10 @@ def test_tiled_layout_holds_the_same_values(qtype):
     ids = torch.tensor([0, 7, 16, 47, 3])
     assert torch.equal(t.dequantize_rows(ids), w.dequantize_rows(ids))
     np.testing.assert_array_equal(t.dequantize_rows(torch.arange(t.rows)).numpy(), ref)
-    assert t.nbytes <= w.nbytes  # all-zero mins (Q8_0) are dropped
+    if isinstance(w, PackedWeight):
+        assert t.nbytes <= w.nbytes  # all-zero mins (Q8_0) are dropped
+    else:  # the file's scales: an int8 per group and an fp16 factor per 256 (Q4_K's d and dmin take 2 bytes more)
+        assert w.nbytes <= t.nbytes <= 1.03 * w.nbytes and t.scale_d is not None
 
 
 @needs_amx
@@ -122,7 +130,7 @@ def test_tiled_kernel_matches_fp32_reference(qtype, batch):
 
 
 @needs_amx
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0] + BLOCK_TILED, ids=lambda t: t.name)
 def test_tiled_kernel_rows_are_batch_invariant(qtype):
     _, t, _ = tiled_pair(qtype, rows=64, seed=3)
     lin = PackedLinear(t, None, Workspace())
@@ -135,7 +143,26 @@ def test_tiled_kernel_rows_are_batch_invariant(qtype):
 
 
 @needs_amx
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_split_projection_tiles_its_parts_and_writes_their_columns():
+    """Q4_K_M's q/k/v: Q4_K parts beside a Q6_K part (and a Q2_K one that does not tile), each written into
+    its columns of the fused output (the tiled kernel's row stride)."""
+    parts = [packed(q, rows=r, blocks=2, seed=i) for i, (q, r) in enumerate([(Q.Q4_K, 32), (Q.Q6_K, 16), (Q.Q2_K, 16),
+                                                                             (Q.IQ4_XS, 48)])]
+    split = tiled.for_cpu(concat_rows([w for w, _ in parts]))
+    assert isinstance(split, SplitWeight)
+    assert [type(p).__name__ for p in split.parts] == ["TiledWeight", "TiledWeight", "BlockWeight", "TiledWeight"]
+    ref = torch.from_numpy(np.concatenate([r for _, r in parts])).double()
+    lin = PackedLinear(split, None, Workspace())
+    for batch in (1, 5, 17):
+        x = torch.randn(batch, split.cols, generator=torch.Generator().manual_seed(batch))
+        expected = x.double() @ ref.T
+        for rows in (batch, 0):  # the GEMV kernels, and prefill's dequantized tile
+            got = lin(x, gemv_rows=rows).double()
+            assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0] + BLOCK_TILED, ids=lambda t: t.name)
 def test_tiled_kernel_propagates_nan_and_inf(qtype):
     _, t, _ = tiled_pair(qtype)
     lin = PackedLinear(t, None, Workspace())

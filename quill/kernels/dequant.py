@@ -175,16 +175,57 @@ def _unpack_iq4_nl(blocks: np.ndarray):
     return IQ4_VALUES[_low_high_nibbles(blocks[:, None, 2:18]).reshape(-1, 32)], scale, np.zeros_like(scale)
 
 
+def _iq4_xs_ls(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks -> (B, 8) int32 6-bit scales: low 4 bits in scales_l's nibbles, high 2 in scales_h."""
+    high = blocks[:, 2:4].copy().view(np.uint16).astype(np.uint32)  # (B, 1)
+    low = (blocks[:, 4:8, None] >> _NIBBLE_SHIFTS[None, None, :]).reshape(-1, 8) & np.uint8(0x0F)
+    return low.astype(np.int32) | (((high >> (2 * np.arange(8, dtype=np.uint32))) & np.uint32(3)) << np.uint32(4)).astype(np.int32)
+
+
 def _unpack_iq4_xs(blocks: np.ndarray):
     # 256 weights: d, then a 6-bit scale per 32 (low 4 bits in scales_l nibbles, high 2 bits in scales_h),
     # each sub-block's weights d * (scale - 32) * table[index]
     d = _f16(blocks[:, 0:2])
-    high = blocks[:, 2:4].copy().view(np.uint16).astype(np.uint32)  # (B, 1)
-    low = (blocks[:, 4:8, None] >> _NIBBLE_SHIFTS[None, None, :]).reshape(-1, 8) & np.uint8(0x0F)
-    ls = low.astype(np.int32) | (((high >> (2 * np.arange(8, dtype=np.uint32))) & np.uint32(3)) << np.uint32(4)).astype(np.int32)
-    scale = d * (ls - 32).astype(np.float32)  # (B, 8)
+    scale = d * (_iq4_xs_ls(blocks) - 32).astype(np.float32)  # (B, 8)
     codes = IQ4_VALUES[_low_high_nibbles(blocks[:, 8:136].reshape(-1, 8, 16)).reshape(-1, 256)]
     return codes, scale, np.zeros_like(scale)
+
+
+@dataclass(frozen=True)
+class KScaleBlocks:
+    """Q4_K / IQ4_XS / Q6_K blocks split with their scales kept as the format stores them: an integer per
+    group (32 weights; Q6_K 16) times an fp16 factor per 256. value = factor * scale * table(code) +
+    min_factor * min, where table is IQ4_VALUES for IQ4_XS, code - 32 for Q6_K and the code for Q4_K."""
+
+    codes: np.ndarray  # (rows, cols) uint8: nibbles 0..15 (IQ4_XS: indices into IQ4_VALUES), Q6_K 0..63
+    scales: np.ndarray  # (rows, groups) int8: Q4_K's sc, IQ4_XS's ls - 32, Q6_K's per-16 scale
+    scale_factor: np.ndarray  # (rows, cols / 256) float16: d
+    mins: np.ndarray | None  # (rows, cols / 32) int8: Q4_K's m; None for IQ4_XS
+    min_factor: np.ndarray | None  # (rows, cols / 256) float16: -dmin
+
+
+def unpack_kscales(raw: np.ndarray, qtype, shape: tuple[int, int]) -> KScaleBlocks:
+    """Q4_K, IQ4_XS or Q6_K blocks -> KScaleBlocks (the AMX tiled layout keeps the file's compact scales)."""
+    qtype = _check_type(qtype)
+    if qtype not in (Q.Q4_K, Q.IQ4_XS, Q.Q6_K):
+        raise ValueError(f"{qtype.name} has no integer-times-factor scales here (Q4_K, IQ4_XS and Q6_K do)")
+    rows, cols = (int(n) for n in shape)
+    blocks = _as_bytes(raw, qtype, (rows, cols)).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    nb = cols // 256
+    if qtype == Q.Q6_K:
+        codes, _, _ = _unpack_q6_k(blocks)
+        d = blocks[:, 208:210].copy().view(np.float16).reshape(rows, nb)
+        return KScaleBlocks(codes.reshape(rows, cols), blocks[:, 192:208].view(np.int8).reshape(rows, nb * 16), d,
+                            None, None)
+    d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, nb)
+    if qtype == Q.Q4_K:
+        sc, m = _k4_scales_mins(blocks[:, 4:16])
+        codes = _low_high_nibbles(blocks[:, 16:144].reshape(-1, 4, 32))
+        neg_dmin = -blocks[:, 2:4].copy().view(np.float16).reshape(rows, nb)  # -dmin * m == -(dmin * m) exactly
+        return KScaleBlocks(codes.reshape(rows, cols), sc.astype(np.int8).reshape(rows, nb * 8), d,
+                            m.astype(np.int8).reshape(rows, nb * 8), neg_dmin)
+    codes = _low_high_nibbles(blocks[:, 8:136].reshape(-1, 8, 16))
+    return KScaleBlocks(codes.reshape(rows, cols), (_iq4_xs_ls(blocks) - 32).astype(np.int8).reshape(rows, nb * 8), d, None, None)
 
 
 _UNPACKERS = {

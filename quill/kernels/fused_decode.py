@@ -27,7 +27,7 @@ class QWeight(ctypes.Structure):
 
 
 QWeight._fields_ = [("kind", I), ("rows", I), ("groups", I), ("codes", P), ("scale", P), ("mins", P), ("bias", P),
-                    ("parts", ctypes.POINTER(QWeight)), ("nparts", I)]
+                    ("parts", ctypes.POINTER(QWeight)), ("nparts", I), ("amx", I), ("scale_d", P), ("mins_d", P)]
 
 
 class LayerWeights(ctypes.Structure):
@@ -111,7 +111,7 @@ def _qweight(linear, keep: list) -> QWeight | None:
     return None
 
 
-BLOCKS_KIND, SPLIT_KIND = 7, 20  # decode_layer.c's BLOCKS_FIRST (+ kquant.c's kind) and SPLIT
+AMX_KIND, BLOCKS_KIND, SPLIT_KIND = 3, 7, 20  # decode_layer.c's AMX-tiled kind, BLOCKS_FIRST (+ kquant.c's kind), SPLIT
 
 
 def _layout(w, keep: list) -> QWeight | None:
@@ -122,19 +122,18 @@ def _layout(w, keep: list) -> QWeight | None:
     keep.append(w)
     if isinstance(w, SplitWeight):
         parts = [_layout(p, keep) for p in w.parts]
-        if any(p is None or 3 <= p.kind < BLOCKS_KIND for p in parts):  # AMX-tiled parts (3..6) write whole rows only
+        if any(p is None for p in parts):
             return None
         array = (QWeight * len(parts))(*parts)
         keep.append(array)
         return QWeight(SPLIT_KIND, w.rows, w.groups, None, None, None, None, array, len(parts))
     if isinstance(w, BlockWeight):
         return QWeight(BLOCKS_KIND + w.kind, w.rows, w.groups, w.blocks.data_ptr(), None, None, None)
-    if isinstance(w, PackedWeight):
-        kind = 0 if w.kind == "q4" else 1
-    else:
-        kind = 3 + w.native_kind  # 3..6: AMX tiled
     mins = None if w.mins is None else w.mins.data_ptr()  # NULL: all zero, the kernels skip the min terms
-    return QWeight(kind, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(), mins, None)
+    if isinstance(w, PackedWeight):
+        return QWeight(0 if w.kind == "q4" else 1, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(), mins, None)
+    _, codes, scale, mins, scale_d, mins_d = w.native_args()  # AMX tiled
+    return QWeight(AMX_KIND, w.rows, w.groups, codes, scale, mins, None, None, 0, w.native_kind, scale_d, mins_d)
 
 
 class FusedDecoder:

@@ -111,9 +111,10 @@ def load(emulate: str | None = None) -> ctypes.CDLL | None:
         getattr(lib, name).restype = I
     lib.quill_isa_used.argtypes = [I]
     lib.quill_isa_used.restype = I
-    lib.quill_amx_gemv.argtypes = [I, P, P, P, P, P, I, I, I, P, I]
+    # kind, codes, scale, mins, scale_d, mins_d, x, out, N, K, B, ld, scratch, threads
+    lib.quill_amx_gemv.argtypes = [I, P, P, P, P, P, P, P, I, I, I, I, P, I]
     lib.quill_amx_gemv.restype = None
-    lib.quill_amx_dequant.argtypes = [I, P, P, P, P, I, I, I]
+    lib.quill_amx_dequant.argtypes = [I, P, P, P, P, P, P, I, I, I]
     lib.quill_amx_dequant.restype = None
     lib.quill_amx_scratch_bytes.argtypes = [I, I]
     lib.quill_amx_scratch_bytes.restype = ctypes.c_long

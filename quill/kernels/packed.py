@@ -306,9 +306,8 @@ class PackedLinear(nn.Module):
             fn = self._lib.quill_gemv_q4_ld if w.kind == "q4" else self._lib.quill_gemv_q8_ld
             return fn, (w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.mins), x.data_ptr(), scratch.data_ptr(),
                         out.data_ptr(), w.rows, w.groups, x.shape[0], ld or w.rows, opts.isa, opts.threads)
-        if ld not in (None, w.rows):  # a TiledWeight (AMX) writes whole rows only; concat_rows never splits one
-            raise ValueError("an AMX-tiled weight cannot be one part of a split projection")
-        return w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], scratch.data_ptr(), opts.threads)
+        return w.kernel, (x.data_ptr(), out.data_ptr(), w.rows, w.cols, x.shape[0], ld or w.rows, scratch.data_ptr(),
+                          opts.threads)
 
 
 INT8_LAYOUTS = {"q4": 100, "q8": 101}  # csrc/kformat.h's LAYOUT_Q4 / LAYOUT_Q8

@@ -3,8 +3,12 @@
 Same values as the packed layout (value = scale * code + min), only reordered, so nothing is
 lost. Scales and mins stay fp16 where the file had them so (Q4_0, Q4_1, Q8_0) and all-zero mins
 (Q8_0's, which the packed layout already leaves out) are dropped, so it is smaller than the packed
-layout. The kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit
-(rows % 16 or cols % 64) and CPUs without AMX keep the packed layout.
+layout. Q4_K, IQ4_XS and Q6_K blocks tile too, their codes as nibbles (IQ4_XS's indices into its
+table; Q6_K's top 2 bits in a plane of their own) and their scales as the file stores them: an int8
+per 32 weights (Q6_K: 16) times an fp16 factor per 256, so the tiles take 1.03x (Q4_K), 1.015x
+(IQ4_XS) and 1.0x (Q6_K) the file's bytes. The kernel and the byte order are
+described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64), the other
+GGUF block types and CPUs without AMX keep their layout.
 """
 
 from __future__ import annotations
@@ -13,42 +17,67 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from quill.kernels import native, options
-from quill.kernels.packed import GROUP, GroupWeight, PackedWeight
+from quill.kernels.dequant import IQ4_VALUES, unpack_kscales
+from quill.kernels.kquant import BlockWeight
+from quill.kernels.packed import GROUP, GroupWeight, PackedWeight, SplitWeight
 
 ROWS, CHUNK = 16, 64
+KSCALE_TYPES = {Q.Q4_K: "q4", Q.IQ4_XS: "iq4", Q.Q6_K: "q6"}  # GGUF block types that tile, and their code kind
+_NATIVE = {"q4": 0, "q8": 1, "iq4": 8, "q6": 16}  # amx_gemv.c's kind bits for the codes (2: fp16 scales, 4: K-quant)
+TILE_BYTES = {"q4": 512, "iq4": 512, "q6": 768, "q8": 1024}
+GROUP_WEIGHTS = {"q4": 32, "iq4": 32, "q6": 16, "q8": 32}  # weights per scale
 
 
 @dataclass
 class TiledWeight(GroupWeight):
-    kind: str  # "q4" | "q8"
-    codes: torch.Tensor  # q4: (rows/16, cols/64, 512) uint8; q8: (rows/16, cols/64, 1024) int8
-    scale: torch.Tensor  # (rows/16, groups, 16) float16 where that is exact (Q4_0, Q4_1, Q8_0), else float32
+    kind: str  # "q4" | "q8" | "iq4" | "q6"
+    codes: torch.Tensor  # (rows/16, cols/64, TILE_BYTES[kind]): uint8, q8 int8
+    scale: torch.Tensor  # (rows/16, groups, 16) float16 where that is exact (Q4_0, Q4_1, Q8_0), else float32,
+    #                      or int8 times scale_d (K-quant scales)
     mins: torch.Tensor | None  # like scale, or None where every min is zero
+    scale_d: torch.Tensor | None = None  # K-quant scales: (rows/16, groups/8, 16) float16 factors, else None
+    mins_d: torch.Tensor | None = None  # the mins' factors, likewise
 
     @property
     def rows(self) -> int:
         return self.scale.shape[0] * ROWS
 
     @property
-    def native_kind(self) -> int:
-        """The C kernel's kind: bit 0 = q8, bit 1 = fp16 scales and mins."""
-        return (0 if self.kind == "q4" else 1) | (2 if self.scale.dtype == torch.float16 else 0)
+    def cols(self) -> int:
+        return self.codes.shape[1] * CHUNK
 
-    def _ptrs(self):
-        return (self.native_kind, self.codes.data_ptr(), self.scale.data_ptr(),
-                None if self.mins is None else self.mins.data_ptr())
+    @property
+    def groups(self) -> int:  # 32-weight groups per row (q6's scales are per 16)
+        return self.cols // GROUP
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scale, self.mins, self.scale_d, self.mins_d) if t is not None]
+
+    @property
+    def native_kind(self) -> int:
+        """The C kernel's kind: bit 0 = q8, bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bit 3 = iq4."""
+        return (_NATIVE[self.kind] | (2 if self.scale.dtype == torch.float16 else 0)
+                | (4 if self.scale_d is not None else 0))
+
+    def native_args(self) -> tuple:
+        """(kind, codes, scale, mins, scale_d, mins_d): the C kernels' leading arguments (NULL for absent tensors)."""
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return (self.native_kind, self.codes.data_ptr(), self.scale.data_ptr(), ptr(self.mins), ptr(self.scale_d),
+                ptr(self.mins_d))
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.rows, self.cols) if out is None else out
-        native.load().quill_amx_dequant(*self._ptrs(), out.data_ptr(), self.rows, self.cols, options.current().threads)
+        native.load().quill_amx_dequant(*self.native_args(), out.data_ptr(), self.rows, self.cols,
+                                        options.current().threads)
         return out
 
     @property
     def kernel(self):
-        """quill_amx_gemv with this weight's arguments bound: (x, out, rows, cols, batch, scratch, threads)."""
-        return functools.partial(native.load().quill_amx_gemv, *self._ptrs())
+        """quill_amx_gemv with this weight's arguments bound: (x, out, rows, cols, batch, ld, scratch, threads)."""
+        return functools.partial(native.load().quill_amx_gemv, *self.native_args())
 
     def scratch_bytes(self, batch: int) -> int:
         return native.load().quill_amx_scratch_bytes(batch, self.cols)
@@ -56,14 +85,30 @@ class TiledWeight(GroupWeight):
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
         block, j = ids // ROWS, ids % ROWS
-        tiles = self.codes[block]  # (T, C, 512 | 1024)
-        if self.kind == "q4":
+        tiles = self.codes[block]  # (T, C, TILE_BYTES)
+        if self.kind == "q6":
+            low, high = tiles[..., :512], tiles[..., 512:]
+            crumbs = torch.cat([(high >> (2 * k)) & 3 for k in range(4)], dim=-1)
+            tiles = (torch.cat((low & 15, low >> 4), dim=-1) | (crumbs << 4)).to(torch.int16) - 32
+        elif self.kind != "q8":
             tiles = torch.cat((tiles & 15, tiles >> 4), dim=-1)
         T, C = tiles.shape[:2]
-        codes = tiles.view(T, C, 16, ROWS, 4)[torch.arange(T), :, :, j].reshape(T, self.groups, GROUP).float()
-        scale = self.scale[block, :, j][..., None].float()
-        values = codes * scale if self.mins is None else codes * scale + self.mins[block, :, j][..., None].float()
+        size = GROUP_WEIGHTS[self.kind]
+        codes = tiles.view(T, C, 16, ROWS, 4)[torch.arange(T), :, :, j].reshape(T, self.cols // size, size)
+        if self.kind == "iq4":
+            codes = torch.from_numpy(IQ4_VALUES)[codes.long()]
+        values = codes.float() * self._group_values(self.scale, self.scale_d, block, j)
+        if self.mins is not None:
+            values = values + self._group_values(self.mins, self.mins_d, block, j)
         return values.reshape(T, self.cols)
+
+    @staticmethod
+    def _group_values(v: torch.Tensor, d: torch.Tensor | None, block: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """(T, groups, 1) fp32 scales (or mins) of rows 16 block + j: d * v for K-quant scales (exact)."""
+        values = v[block, :, j].float()
+        if d is not None:
+            values = d[block, :, j].float().repeat_interleave(values.shape[1] // d.shape[1], dim=1) * values
+        return values[..., None]
 
 
 def available(opts: options.KernelOptions | None = None) -> bool:
@@ -83,9 +128,27 @@ def _fp16_exact(*ts: torch.Tensor) -> bool:
     return all(torch.equal(t.half().float(), t) for t in ts)
 
 
-def tile_weight(w: PackedWeight) -> TiledWeight | None:
-    """The tiled form of `w`, or None where the shape does not fit the tiles or `w` is not a q4/q8
-    PackedWeight (GGUF-block weights keep their own layout)."""
+def _tiles(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """(n, k) codes -> (n/16, k/64, TILE_BYTES[kind]) tiles in the kernel's byte order: q8 1024 bytes,
+    q4 / iq4 512 bytes of nibble pairs, q6 (codes 0..63) those for the low 4 bits then 256 of 2-bit crumbs."""
+    n, k = codes.shape
+    tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
+    if kind == "q8":
+        return tiles.contiguous()
+    low = tiles & 15
+    packed = low[..., :512] | (low[..., 512:] << 4)
+    if kind == "q6":
+        high = tiles >> 4
+        crumbs = high[..., :256] | (high[..., 256:512] << 2) | (high[..., 512:768] << 4) | (high[..., 768:] << 6)
+        packed = torch.cat((packed, crumbs), dim=-1)
+    return packed.contiguous()
+
+
+def tile_weight(w) -> TiledWeight | None:
+    """The tiled form of `w`, or None where the shape does not fit the tiles or `w` is neither a q4/q8
+    PackedWeight nor a Q4_K / IQ4_XS / Q6_K BlockWeight (other GGUF-block weights keep their own layout)."""
+    if isinstance(w, BlockWeight):
+        return _tile_kscales(w)
     if not isinstance(w, PackedWeight) or w.rows % ROWS or w.cols % CHUNK:
         return None
     n, k = w.rows, w.cols
@@ -94,17 +157,28 @@ def tile_weight(w: PackedWeight) -> TiledWeight | None:
         codes = torch.stack((pairs & 15, pairs >> 4), dim=2).reshape(n, k)
     else:
         codes = w.codes
-    tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
-    if w.kind == "q4":
-        tiles = tiles[..., :512] | (tiles[..., 512:] << 4)
     half = _fp16_exact(*(t for t in (w.scale, w.mins) if t is not None))  # GGUF's fp16 scales: no loss to keep them so
     mins = None if w.mins is None or not bool(w.mins.any()) else _blocked(w.mins, n, w.groups, half)
-    return TiledWeight(w.kind, tiles.contiguous(), _blocked(w.scale, n, w.groups, half), mins)
+    return TiledWeight(w.kind, _tiles(codes, w.kind), _blocked(w.scale, n, w.groups, half), mins)
 
 
-def for_cpu(w: PackedWeight | None) -> PackedWeight | TiledWeight | None:
+def _tile_kscales(w: BlockWeight) -> TiledWeight | None:
+    if w.qtype not in KSCALE_TYPES or w.rows % ROWS:
+        return None
+    n, k, kind = w.rows, w.cols, KSCALE_TYPES[w.qtype]
+    g, f = k // GROUP_WEIGHTS[kind], k // 256
+    parts = unpack_kscales(w.blocks.numpy(), w.qtype, (n, k))
+    as_t = lambda a: None if a is None else torch.from_numpy(a.copy())  # noqa: E731
+    blocked = lambda a, groups: None if a is None else _blocked(as_t(a), n, groups, False)  # noqa: E731
+    return TiledWeight(kind, _tiles(as_t(parts.codes), kind), blocked(parts.scales, g), blocked(parts.mins, g),
+                       blocked(parts.scale_factor, f), blocked(parts.min_factor, f))
+
+
+def for_cpu(w):
     """The layout the fastest kernel on this CPU reads: tiled where AMX is available and the shape fits
-    (GGUF-block and split weights keep their own layout)."""
-    if not isinstance(w, PackedWeight) or not available():
+    (the other GGUF-block weights keep their own layout; a split weight's parts are each tiled or not)."""
+    if w is None or not available():
         return w
+    if isinstance(w, SplitWeight):
+        return SplitWeight([tile_weight(p) or p for p in w.parts])
     return tile_weight(w) or w

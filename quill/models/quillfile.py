@@ -189,7 +189,7 @@ class _TensorTable:
     """Tensors to write, named by where they sit; a tensor met again (a tied head) keeps its first name."""
 
     def __init__(self, tile: bool):
-        self.tile = tile  # the amx layout: top-level q4/q8 weights become AMX tiles, as tiled.for_cpu does
+        self.tile = tile  # the amx layout: weights become AMX tiles where tiled.for_cpu would tile them
         self.tensors: dict[str, torch.Tensor] = {}
         self._names: dict[tuple, str] = {}
         self._weights: dict[int, dict] = {}  # id(weight object) -> its spec: shared objects stay shared
@@ -220,10 +220,10 @@ def encode(obj, table: _TensorTable, name: str) -> dict:
         return {"t": "dense_linear", "weight": table.put(name + ".weight", obj.weight.data),
                 "bias": table.put(name + ".bias", None if obj.bias is None else obj.bias.data)}
     if isinstance(obj, PackedLinear):
-        return {"t": "packed_linear", "weight": _encode_weight(obj.weight, table, name + ".weight", top=True),
+        return {"t": "packed_linear", "weight": _encode_weight(obj.weight, table, name + ".weight"),
                 "bias": table.put(name + ".bias", obj.bias)}
     if isinstance(obj, PackedEmbedding):
-        return {"t": "packed_embedding", "weight": _encode_weight(obj.weight, table, name + ".weight", top=True)}
+        return {"t": "packed_embedding", "weight": _encode_weight(obj.weight, table, name + ".weight")}
     if isinstance(obj, DenseEmbedding):
         return {"t": "dense_embedding", "weight": table.put(name + ".weight", obj.weight.data)}
     if isinstance(obj, RopeTables):
@@ -232,7 +232,7 @@ def encode(obj, table: _TensorTable, name: str) -> dict:
     raise TypeError(f"{name}: a {type(obj).__name__} has no .quill encoding")
 
 
-def _encode_weight(w, table: _TensorTable, name: str, top: bool = False) -> dict:
+def _encode_weight(w, table: _TensorTable, name: str) -> dict:
     from quill.kernels.kquant import BlockWeight
     from quill.kernels.packed import PackedWeight, SplitWeight
     from quill.kernels.tiled import TiledWeight, tile_weight
@@ -240,12 +240,14 @@ def _encode_weight(w, table: _TensorTable, name: str, top: bool = False) -> dict
     original = id(w)  # a weight met again (a tied head) reuses its spec, tiled or not
     if original in table._weights:
         return table._weights[original]
-    if top and table.tile and isinstance(w, PackedWeight):
-        w = tile_weight(w) or w  # exactly tiled.for_cpu's rule: whole q4/q8 weights whose shape fits
+    if table.tile and isinstance(w, (PackedWeight, BlockWeight)):
+        w = tile_weight(w) or w  # exactly tiled.for_cpu's rule (split parts too): q4/q8, Q4_K, IQ4_XS that fit
     if isinstance(w, TiledWeight) or isinstance(w, PackedWeight):
         spec = {"t": "tiled" if isinstance(w, TiledWeight) else "packed", "kind": w.kind,
                 "codes": table.put(name + ".codes", w.codes), "scale": table.put(name + ".scale", w.scale),
                 "mins": table.put(name + ".mins", w.mins)}
+        if isinstance(w, TiledWeight) and w.scale_d is not None:  # K-quant scales: int8 times fp16 factors
+            spec.update(scale_d=table.put(name + ".scale_d", w.scale_d), mins_d=table.put(name + ".mins_d", w.mins_d))
     elif isinstance(w, BlockWeight):
         spec = {"t": "blocks", "qtype": w.qtype.name, "blocks": table.put(name + ".blocks", w.blocks)}
     elif isinstance(w, SplitWeight):
@@ -302,13 +304,13 @@ def _decode_weight(spec: dict, get, tiles: bool = True):
 
     from quill.kernels.kquant import BLOCK_BYTES, KINDS, BlockWeight
     from quill.kernels.packed import GROUP, PackedWeight, SplitWeight
-    from quill.kernels.tiled import CHUNK, ROWS, TiledWeight
+    from quill.kernels.tiled import CHUNK, GROUP_WEIGHTS, ROWS, TILE_BYTES, TiledWeight
 
     kind = spec.get("t")
     if kind in ("packed", "tiled"):
-        if spec.get("kind") not in ("q4", "q8"):
+        if spec.get("kind") not in (("q4", "q8") if kind == "packed" else TILE_BYTES):
             raise QuillFileError(f"unknown packed layout {spec.get('kind')!r} in the file's structure")
-        q4 = spec["kind"] == "q4"
+        q4 = spec["kind"] != "q8"
         code_type = torch.uint8 if q4 else torch.int8
         if kind == "packed":
             scale = _checked(get(spec["scale"]), torch.float32, 2, "a group scale")
@@ -319,15 +321,24 @@ def _decode_weight(spec: dict, get, tiles: bool = True):
                                 None if mins is None else _checked(mins, torch.float32, 2, "group mins", (rows, groups)))
         if not tiles:
             raise QuillFileError("the file's structure holds AMX tiles but its layout is not 'amx'")
-        scale = _checked(get(spec["scale"]), (torch.float16, torch.float32), 3, "a tile scale")
+        kscales = spec.get("scale_d") is not None
+        if kscales and spec["kind"] == "q8" or not kscales and spec["kind"] in ("iq4", "q6"):
+            raise QuillFileError(f"{spec['kind']} tiles {'with' if kscales else 'without'} K-quant scales in the "
+                                 "file's structure")
+        scale = _checked(get(spec["scale"]), torch.int8 if kscales else (torch.float16, torch.float32), 3, "a tile scale")
         blocks, groups, _ = scale.shape
-        if scale.shape[2] != ROWS or (groups * GROUP) % CHUNK:
+        cols = groups * GROUP_WEIGHTS[spec["kind"]]
+        if scale.shape[2] != ROWS or cols % (256 if kscales else CHUNK):
             raise QuillFileError(f"the file's structure gives tile scales of shape {tuple(scale.shape)}")
-        codes = _checked(get(spec["codes"]), code_type, 3, "AMX tiles",
-                         (blocks, groups * GROUP // CHUNK, 512 if q4 else 1024))
+        codes = _checked(get(spec["codes"]), code_type, 3, "AMX tiles", (blocks, cols // CHUNK, TILE_BYTES[spec["kind"]]))
         mins = get(spec["mins"])
-        return TiledWeight(spec["kind"], codes, scale,
-                           None if mins is None else _checked(mins, scale.dtype, 3, "tile mins", tuple(scale.shape)))
+        mins = None if mins is None else _checked(mins, scale.dtype, 3, "tile mins", tuple(scale.shape))
+        factors = lambda key: _checked(get(spec[key]), torch.float16, 3, "K-quant scale factors",  # noqa: E731
+                                       (blocks, cols // 256, ROWS))
+        if not kscales:
+            return TiledWeight(spec["kind"], codes, scale, mins)
+        return TiledWeight(spec["kind"], codes, scale, mins, factors("scale_d"),
+                           None if mins is None else factors("mins_d"))
     if kind == "blocks":
         qtype = getattr(GGMLQuantizationType, str(spec.get("qtype")), None)
         if qtype not in KINDS:
@@ -338,9 +349,8 @@ def _decode_weight(spec: dict, get, tiles: bool = True):
         return BlockWeight(qtype, blocks)
     if kind == "split":
         parts = [_decode_weight(p, get, tiles) for p in spec.get("parts") or []]
-        if not parts or len({p.cols for p in parts}) != 1 or any(isinstance(p, TiledWeight) for p in parts):
-            raise QuillFileError("a split projection in the file's structure has no parts, parts of different "
-                                 "widths, or tiled parts")
+        if not parts or len({p.cols for p in parts}) != 1:
+            raise QuillFileError("a split projection in the file's structure has no parts or parts of different widths")
         return SplitWeight(parts)
     raise QuillFileError(f"unknown weight kind {kind!r} in the file's structure")
 

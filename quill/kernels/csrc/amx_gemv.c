@@ -5,10 +5,19 @@
  * [kk][j][r] is the code of row 16*rb + j, column 64*c + 4*kk + r.
  *   q8: the 1024 codes as signed bytes -- the tile is loaded straight from the weights.
  *   q4: 512 bytes; byte b holds tile byte b (low nibble) and tile byte b + 512 (high).
+ *   iq4: as q4, each nibble an index into IQ4_NL's table of 16 signed values (IQ4_XS).
+ *   q6: 768 bytes: the low 4 bits of the 6-bit codes as q4's 512, then 256 bytes whose byte b holds
+ *       the top 2 bits of tile bytes b, b + 256, b + 512, b + 768 (bits 0-1, 2-3, 4-5, 6-7); the
+ *       tile holds code - 32 (Q6_K). Its scales are per 16 weights (G16 = K/16 groups, 16 per 256).
  * scale and mins are (N/16, G, 16): the 16 rows of a block side by side, one vector per group,
- * in fp16 where every value is exactly an fp16 (Q4_0, Q4_1, Q8_0 store them so), else fp32.
- * value = scale * code + min, exactly the packed layout's values.
- * kind: bit 0 set = q8 (else q4), bit 1 set = fp16 scales and mins.
+ * in fp16 where every value is exactly an fp16 (Q4_0, Q4_1, Q8_0 store them so), else fp32, or
+ * (K-quant scales) int8 with a per-256-weight fp16 factor in scale_d / mins_d, (N/16, G/8, 16):
+ * the group's value is scale_d * scale, one fp32 product of an fp16 and a small integer, so
+ * exact (Q4_K: d * sc and -dmin * m; IQ4_XS: d * (ls - 32)), and the layout as small as the file's.
+ * value = scale * code + min, exactly GGUF's values (code * scale is exact in fp32 for every type).
+ * kind: bit 0 = q8 (else q4), bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bit 3 = iq4 codes,
+ * bit 4 = q6 codes (with 16-weight groups: an item's A rows are 4 quarters x 3 digits, quarter u's
+ * digits in bytes [16u, 16u + 16) of its rows).
  *
  * Activations become three signed bytes per element. Per item and 32-element group, with
  * 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(22-e)) is an integer with |v| <= 2^22 (an error of
@@ -46,13 +55,38 @@
 #else
 #define AMX_COMPILER 0
 #endif
-#define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
+#define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits (q6: 12, 4 quarters x 3 digits) */
+#define MAX_ROWS_PER_ITEM 12
+#define KIND_Q8 1
+#define KIND_F16 2
+#define KIND_KSCALES 4
+#define KIND_IQ4 8
+#define KIND_Q6 16
+#define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6)) /* signed bytes: the top digit joins in fp32 */
+static inline int rows_per_item(int kind) { return kind & KIND_Q6 ? MAX_ROWS_PER_ITEM : ROWS_PER_ITEM; }
+
+/* One weight's scales or mins: where they are and how they are stored (kind's bits 1 and 2). */
+typedef struct {
+    const void *v;     /* (N/16, G, 16): fp32, fp16 or int8 (q6: G16 groups) */
+    const uint16_t *d; /* K-quant scales: (N/16, groups / 2^shift, 16) fp16 factors, else NULL */
+    int fmt;           /* 0 fp32, 1 fp16, 2 int8 x fp16 */
+    int shift;         /* groups per fp16 factor: 2^3 groups of 32, or (q6) 2^4 of 16 */
+} Scales;
+
+static inline Scales scales_of(int kind, const void *v, const void *d) {
+    Scales s = {v, (const uint16_t *)d, kind & KIND_KSCALES ? 2 : kind & KIND_F16 ? 1 : 0, kind & KIND_Q6 ? 4 : 3};
+    return s;
+}
 
 #if AMX_COMPILER || defined(QUILL_EMULATE_AVX512)
-/* A tile rows: item b, half h, digit p -> row 6b + 3h + p, packed 16 to a tile (m rows when B <= 2). */
-static inline int a_rows(int B) { return B <= 2 ? ROWS_PER_ITEM * B : (ROWS_PER_ITEM * B + 15) & ~15; }
+/* A tile rows: item b, half h, digit p -> row 6b + 3h + p (q6: item b, quarter u -> 12b + 3u + p), packed
+ * 16 to a tile (m rows when they fit one). */
+static inline int a_rows(int B, int rpi) { return rpi * B <= 16 ? rpi * B : (rpi * B + 15) & ~15; }
 
-long quill_amx_scratch_bytes(int B, int K) { return (long)B * (K / 32) * 8 + (long)(K / 64) * a_rows(B) * 64 + 128; }
+/* Enough for either row count per item. */
+long quill_amx_scratch_bytes(int B, int K) {
+    return (long)B * (K / 32) * 8 + (long)(K / 64) * a_rows(B, MAX_ROWS_PER_ITEM) * 64 + 128;
+}
 
 /* The q4 tile of (rb, c) unpacked to 1024 bytes. */
 AVX512 static inline void unpack_tile_q4(const uint8_t *src, uint8_t *dst) {
@@ -64,20 +98,57 @@ AVX512 static inline void unpack_tile_q4(const uint8_t *src, uint8_t *dst) {
     }
 }
 
-/* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. */
-static inline float group_value(const void *p, long i, int half) {
-    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* IQ4_NL's 16 values (GGML's kvalues_iq4nl, a fact of the format), in each 128-bit lane. */
+AVX512 static inline __m512i iq4_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
 }
 
-AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N,
-                              int K, int threads) {
-    const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1;
+/* The iq4 tile of (rb, c) unpacked to 1024 signed bytes: each nibble looked up in the table. */
+AVX512 static inline void unpack_tile_iq4(const uint8_t *src, uint8_t *dst) {
+    const __m512i m = _mm512_set1_epi8(15), table = iq4_table();
+    for (int i = 0; i < 512; i += 64) {
+        __m512i v = _mm512_loadu_si512(src + i);
+        _mm512_store_si512(dst + i, _mm512_shuffle_epi8(table, _mm512_and_si512(v, m)));
+        _mm512_store_si512(dst + 512 + i, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m)));
+    }
+}
+
+/* The q6 tile of (rb, c) unpacked to 1024 signed bytes, code - 32. */
+AVX512 static inline void unpack_tile_q6(const uint8_t *src, uint8_t *dst) {
+    const __m512i m = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
+    for (int i = 0; i < 256; i += 64) {
+        const __m512i h = _mm512_loadu_si512(src + 512 + i);
+        for (int k = 0; k < 4; k++) { /* tile bytes 256 k + i ..: the low nibbles of bytes (256 k + i) % 512 */
+            const __m512i v = _mm512_loadu_si512(src + (256 * k + i) % 512);
+            const __m512i lo = k < 2 ? _mm512_and_si512(v, m) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, 2 * k), three);
+            _mm512_store_si512(dst + 256 * k + i, _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), off));
+        }
+    }
+}
+
+/* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. i = 16 * group + row in block. */
+static inline float group_value(const Scales *s, long i) {
+    if (s->fmt == 2) return _cvtsh_ss(s->d[(i >> (4 + s->shift)) * 16 + (i & 15)]) * (float)((const int8_t *)s->v)[i];
+    return s->fmt ? _cvtsh_ss(((const uint16_t *)s->v)[i]) : ((const float *)s->v)[i];
+}
+
+AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                              const void *mins_d, float *out, int N, int K, int threads) {
+    const int C = K / 64, RB = N / 16, q6 = (kind & KIND_Q6) != 0, G = q6 ? K / 16 : K / 32;
+    const Scales sv = scales_of(kind, scale, scale_d), mv = scales_of(kind, mins, mins_d);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int rb = 0; rb < RB; rb++) {
         _Alignas(64) uint8_t staged[1024];
         for (int c = 0; c < C; c++) {
             const int8_t *tile;
-            if (!(kind & 1)) {
+            if (q6) {
+                unpack_tile_q6((const uint8_t *)codes + ((long)rb * C + c) * 768, staged);
+                tile = (const int8_t *)staged;
+            } else if (kind & KIND_IQ4) {
+                unpack_tile_iq4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
+                tile = (const int8_t *)staged;
+            } else if (!(kind & KIND_Q8)) {
                 unpack_tile_q4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
                 tile = (const int8_t *)staged;
             } else {
@@ -88,15 +159,13 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
                 _Alignas(64) uint32_t row[16]; /* row j's 64 codes in column order */
                 for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
                 float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
-                for (int h = 0; h < 2; h++) {
-                    const long gi = ((long)rb * G + 2 * c + h) * 16 + j;
-                    const __m512 s = _mm512_set1_ps(group_value(scale, gi, half));
-                    const __m512 m = _mm512_set1_ps(mins ? group_value(mins, gi, half) : 0.f);
-                    for (int q = 0; q < 2; q++) { /* value = fmaf(code, scale, min), 16 at a time */
-                        const __m128i b = _mm_load_si128((const __m128i *)((const uint8_t *)row + 32 * h + 16 * q));
-                        const __m512i code = (kind & 1) ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-                        _mm512_storeu_ps(o + 32 * h + 16 * q, _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), s, m));
-                    }
+                for (int u = 0; u < 4; u++) { /* 16 at a time: value = fmaf(code, scale, min) */
+                    const long gi = ((long)rb * G + (q6 ? 4 * c + u : 2 * c + u / 2)) * 16 + j;
+                    const __m512 s = _mm512_set1_ps(group_value(&sv, gi));
+                    const __m512 m = _mm512_set1_ps(mins ? group_value(&mv, gi) : 0.f);
+                    const __m128i b = _mm_load_si128((const __m128i *)((const uint8_t *)row + 16 * u));
+                    const __m512i code = SIGNED_CODES(kind) ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+                    _mm512_storeu_ps(o + 16 * u, _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), s, m));
                 }
             }
         }
@@ -112,7 +181,7 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #endif
 #define ITEMS 16   /* items per pass over a row block */
-#define MAX_TILES (ITEMS * ROWS_PER_ITEM / 16) /* A tiles per pass */
+#define MAX_TILES (ITEMS * MAX_ROWS_PER_ITEM / 16) /* A tiles per pass */
 #define PREFETCH 4 /* weight tiles read ahead */
 
 typedef struct {
@@ -161,13 +230,14 @@ AMX static void config_tiles(int m) {
     _tile_loadconfig(&cfg);
 }
 
-/* Item b's chunk c of x (B, K) -> its 6 rows of digits in a (K/64, a_rows(B), 64) int8, the two
+/* Item b's chunk c of x (B, K) -> its rpi rows of digits in a (K/64, a_rows(B, rpi), 64) int8, the two
  * groups' 2^(e-22) in xscale (B, G) and sums in xs (B, G). Chunks are independent, so the threads
- * split them; the item's padding rows (past the last item) are zeroed with the last item's chunk. */
-AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *a, float *xscale, float *xs) {
-    const int G = K / 32, R = a_rows(B);
-    int8_t *rows = a + ((long)c * R + ROWS_PER_ITEM * b) * 64;
-    memset(rows, 0, (size_t)(b == B - 1 ? R - ROWS_PER_ITEM * b : ROWS_PER_ITEM) * 64);
+ * split them; the item's padding rows (past the last item) are zeroed with the last item's chunk.
+ * rpi 12 (q6) puts each 16 elements in rows of their own (quarter u: rows 3u .. 3u + 2). */
+AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *a, float *xscale, float *xs, int rpi) {
+    const int G = K / 32, R = a_rows(B, rpi), quarters = rpi == MAX_ROWS_PER_ITEM;
+    int8_t *rows = a + ((long)c * R + rpi * b) * 64;
+    memset(rows, 0, (size_t)(b == B - 1 ? R - rpi * b : rpi) * 64);
     for (int h = 0; h < 2; h++) {
         const int g = 2 * c + h;
         const float *p = x + (long)b * K + (long)g * 32;
@@ -182,13 +252,13 @@ AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *
         xscale[(long)b * G + g] = ldexpf(1.f, e - 22);
         const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
         __m512i i0 = _mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), i1 = _mm512_cvtps_epi32(_mm512_scalef_ps(v1, up));
-        int8_t *row = rows + 3 * h * 64 + h * 32;
-        for (int d = 0; d < 3; d++, row += 64) { /* balanced digits; the last is in [-64, 64] */
+        int8_t *row = rows + (quarters ? 6 : 3) * h * 64 + h * 32, *row1 = row + (quarters ? 3 * 64 : 0) + 16;
+        for (int d = 0; d < 3; d++, row += 64, row1 += 64) { /* balanced digits; the last is in [-64, 64] */
             __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, 24), 24);
             __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, 24), 24);
             if (d == 2) { d0 = i0; d1 = i1; }
             _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(d0));
-            _mm_storeu_si128((__m128i *)(row + 16), _mm512_cvtepi32_epi8(d1));
+            _mm_storeu_si128((__m128i *)row1, _mm512_cvtepi32_epi8(d1));
             i0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, d0), 8);
             i1 = _mm512_srai_epi32(_mm512_sub_epi32(i1, d1), 8);
         }
@@ -196,14 +266,21 @@ AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *
 }
 
 /* 16 rows' scales (or mins) of one group. */
-AMX static inline __m512 load_group(const void *p, long group, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + group * 16)))
-                : _mm512_loadu_ps((const float *)p + group * 16);
+AMX static inline __m512 load_group(const Scales *s, long group) {
+    if (s->fmt == 2) /* d * sc: an fp16 times a small integer, exact in fp32 */
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->d + (group >> s->shift) * 16))),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)s->v + group * 16)))));
+    return s->fmt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s->v + group * 16)))
+                  : _mm512_loadu_ps((const float *)s->v + group * 16);
 }
+
+/* Bytes of one group's 16 values, for the prefetch. */
+static inline long group_bytes(const Scales *s) { return s->fmt == 2 ? 16 : s->fmt ? 32 : 64; }
 
 /* acc += one item's digits recombined (its 6 rows of the C tiles' copy) times the two groups'
  * scales and xscales. q4: |C| <= 32 * 128 * 15 per digit (the top digit's 64 halves that), so
- * C0 + 2^8 C1 + 2^16 C2 is exact in int32; q8's codes are 8x wider, so its top digit joins in fp32. */
+ * C0 + 2^8 C1 + 2^16 C2 is exact in int32; q8's and iq4's codes are 8x wider, so their top digit
+ * joins in fp32. */
 AMX static inline __m512 combine(__m512 acc, const int32_t *r, int q8, __m512 s0, __m512 s1, float xs0, float xs1) {
     __m512 f[2];
     for (int h = 0; h < 2; h++, r += 48) {
@@ -216,22 +293,36 @@ AMX static inline __m512 combine(__m512 acc, const int32_t *r, int q8, __m512 s0
     return _mm512_fmadd_ps(f[1], _mm512_mul_ps(s1, _mm512_set1_ps(xs1)), acc);
 }
 
+/* combine for q6: 12 rows, four 16-weight groups with their own scales; quarters 0-1 share the first
+ * 32-group's xscale, 2-3 the second's. |C| <= 16 * 128 * 32 per digit: the top digit joins in fp32. */
+AMX static inline __m512 combine_q6(__m512 acc, const int32_t *r, const __m512 s[4], float xs0, float xs1) {
+    for (int u = 0; u < 4; u++, r += 48) {
+        const __m512i lo = _mm512_add_epi32(_mm512_load_si512(r), _mm512_slli_epi32(_mm512_load_si512(r + 16), 8));
+        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(r + 32)), _mm512_set1_ps(65536.f),
+                                         _mm512_cvtepi32_ps(lo));
+        acc = _mm512_fmadd_ps(f, _mm512_mul_ps(s[u], _mm512_set1_ps(u < 2 ? xs0 : xs1)), acc);
+    }
+    return acc;
+}
+
 /* One product: C tile c = A tile a (digits at `src`) x B tile w (weights), copied out to `dst`.
  * Tile register numbers must be literals, hence a macro. */
 #define TILE_PRODUCT(c, a, w, kind, src, dst)                                  \
     do {                                                                       \
         _tile_zero(c);                                                         \
         _tile_loadd(a, (src), 64);                                             \
-        if ((kind) & 1) _tile_dpbssd(c, a, w); else _tile_dpbsud(c, a, w);    \
+        if (SIGNED_CODES(kind)) _tile_dpbssd(c, a, w); else _tile_dpbsud(c, a, w); \
         _tile_stored(c, (dst), 64);                                            \
     } while (0)
 
 /* Tile bytes: q4 packs a 1024-byte tile into 512. */
-static inline long tile_bytes(int kind) { return kind & 1 ? 1024 : 512; }
+static inline long tile_bytes(int kind) { return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : 512; }
 
 AMX static inline void load_weight_tile(int kind, const void *codes, long tile, int p, uint8_t *staged) {
-    if (!(kind & 1)) {
-        unpack_tile_q4((const uint8_t *)codes + tile * 512, staged);
+    if (!(kind & KIND_Q8)) {
+        if (kind & KIND_Q6) unpack_tile_q6((const uint8_t *)codes + tile * 768, staged);
+        else if (kind & KIND_IQ4) unpack_tile_iq4((const uint8_t *)codes + tile * 512, staged);
+        else unpack_tile_q4((const uint8_t *)codes + tile * 512, staged);
         if (p) _tile_loadd(5, staged, 64); else _tile_loadd(4, staged, 64);
     } else {
         const int8_t *src = (const int8_t *)codes + tile * 1024;
@@ -239,29 +330,33 @@ AMX static inline void load_weight_tile(int kind, const void *codes, long tile, 
     }
 }
 
-/* out (B, N) = x (B, K) @ W.T for a tiled weight (kind as above); mins may be NULL (all zero).
- * scratch: at least quill_amx_scratch_bytes(B, K) bytes. Items go through in passes of 16:
- * 96 A rows, 6 tiles (one tile of 6 or 12 rows when B is 1 or 2). */
-AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const float *x,
-                        float *out, int N, int K, int B, void *scratch, int threads) {
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T for a tiled weight (kind as above); mins may be NULL (all
+ * zero); scale_d and mins_d are the K-quant factors (NULL without bit 2). scratch: at least
+ * quill_amx_scratch_bytes(B, K) bytes. Items go through in passes of 16: 96 A rows, 6 tiles (q6: 192
+ * rows, 12 tiles), or one tile of fewer rows when they fit. */
+AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                        const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
+                        int threads) {
     if (!quill_amx_enable()) abort(); /* callers check first; this also requests the tile permission */
-    const int G = K / 32, C = K / 64, RB = N / 16, half = (kind >> 1) & 1, q8 = kind & 1, R = a_rows(B);
+    const int G = K / 32, C = K / 64, RB = N / 16, q8 = SIGNED_CODES(kind) != 0, rpi = rows_per_item(kind);
+    const int R = a_rows(B, rpi), q6 = (kind & KIND_Q6) != 0, Gs = q6 ? K / 16 : G; /* Gs: scale groups per row */
+    const Scales sv = scales_of(kind, scale, scale_d), mv = scales_of(kind, mins, mins_d);
     float *xs = (float *)scratch, *xscale = xs + (long)B * G;
     int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)B * G) + 63) & ~(uintptr_t)63);
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++)
-            for (int c = 0; c < C; c++) split_chunk(x, B, b, c, K, a, xscale, xs);
+            for (int c = 0; c < C; c++) split_chunk(x, B, b, c, K, a, xscale, xs, rpi);
         /* (the loop's barrier: every digit is written before any product) */
         config_tiles(R < 16 ? R : 16);
         _Alignas(64) uint8_t staged[2][1024];
         _Alignas(64) int32_t ctile[2][MAX_TILES * 16 * 16];
 #pragma omp for schedule(static)
         for (int rb = 0; rb < RB; rb++) {
-            const long g0 = (long)rb * G; /* this block's first group in scale and mins */
+            const long g0 = (long)rb * G, gs0 = (long)rb * Gs; /* this block's first group in mins and scale */
             for (int b0 = 0; b0 < B; b0 += ITEMS) {
-                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (ROWS_PER_ITEM * nb + 15) / 16;
+                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (rpi * nb + 15) / 16;
                 __m512 acc[ITEMS];
                 for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
                 long op = 0; /* products issued: alternates the tile sets */
@@ -271,15 +366,19 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         /* the hardware prefetcher alone leaves the weight stream short of bandwidth */
                         const char *ahead = (const char *)codes + ((long)rb * C + c + PREFETCH) * tile_bytes(kind);
                         for (long i = 0; i < tile_bytes(kind); i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-                        if (c == 0 && b0 == 0) { /* and the next block's scales and mins */
-                            const long gbytes = half ? 32 : 64;
-                            for (long i = 0; i < (long)G * gbytes; i += 64) {
-                                _mm_prefetch((const char *)scale + (g0 + G) * gbytes + i, _MM_HINT_T0);
+                        if (c == 0 && b0 == 0 && rb + 1 < RB) { /* and the next block's scales and mins */
+                            const long gbytes = group_bytes(&sv);
+                            for (long i = 0; i < (long)Gs * gbytes; i += 64) {
+                                _mm_prefetch((const char *)scale + (gs0 + Gs) * gbytes + i, _MM_HINT_T0);
                                 if (mins) _mm_prefetch((const char *)mins + (g0 + G) * gbytes + i, _MM_HINT_T0);
+                            }
+                            for (long i = 0; sv.d && i < (long)K / 256 * 32; i += 64) { /* the fp16 factors */
+                                _mm_prefetch((const char *)(sv.d + (long)(rb + 1) * (K / 256) * 16) + i, _MM_HINT_T0);
+                                if (mins) _mm_prefetch((const char *)(mv.d + (long)(rb + 1) * (K / 256) * 16) + i, _MM_HINT_T0);
                             }
                         }
                         load_weight_tile(kind, codes, (long)rb * C + c, p, staged[p]);
-                        const int8_t *ac = a + ((long)c * R + (long)ROWS_PER_ITEM * b0) * 64;
+                        const int8_t *ac = a + ((long)c * R + (long)rpi * b0) * 64;
                         for (int q = 0; q < tiles; q++, op++) {
                             const int8_t *src = ac + (long)q * 1024;
                             int32_t *dst = ctile[p] + q * 256;
@@ -293,19 +392,28 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                     }
                     if (c > 0) { /* read out the previous chunk while this one multiplies */
                         const int pc = c - 1;
-                        const __m512 s0 = load_group(scale, g0 + 2 * pc, half), s1 = load_group(scale, g0 + 2 * pc + 1, half);
-                        for (int t = 0; t < nb; t++) {
-                            const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
-                            acc[t] = combine(acc[t], ctile[pc & 1] + t * ROWS_PER_ITEM * 16, q8, s0, s1, xsc[0], xsc[1]);
+                        if (q6) {
+                            __m512 s4[4];
+                            for (int u = 0; u < 4; u++) s4[u] = load_group(&sv, gs0 + 4 * pc + u);
+                            for (int t = 0; t < nb; t++) {
+                                const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
+                                acc[t] = combine_q6(acc[t], ctile[pc & 1] + t * rpi * 16, s4, xsc[0], xsc[1]);
+                            }
+                        } else {
+                            const __m512 s0 = load_group(&sv, gs0 + 2 * pc), s1 = load_group(&sv, gs0 + 2 * pc + 1);
+                            for (int t = 0; t < nb; t++) {
+                                const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
+                                acc[t] = combine(acc[t], ctile[pc & 1] + t * rpi * 16, q8, s0, s1, xsc[0], xsc[1]);
+                            }
                         }
                     }
                 }
                 if (mins) /* each group's mins times the item's group sum, loaded once for all items */
                     for (int g = 0; g < G; g++) {
-                        const __m512 mg = load_group(mins, g0 + g, half);
+                        const __m512 mg = load_group(&mv, g0 + g);
                         for (int t = 0; t < nb; t++) acc[t] = _mm512_fmadd_ps(mg, _mm512_set1_ps(xs[(long)(b0 + t) * G + g]), acc[t]);
                     }
-                for (int t = 0; t < nb; t++) _mm512_storeu_ps(out + (long)(b0 + t) * N + (long)rb * 16, acc[t]);
+                for (int t = 0; t < nb; t++) _mm512_storeu_ps(out + (long)(b0 + t) * ld + (long)rb * 16, acc[t]);
             }
         }
     }
@@ -315,12 +423,13 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
 
 int quill_amx_hw(void) { return 0; }
 int quill_amx_enable(void) { return 0; }
-void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const float *x, float *out,
-                    int N, int K, int B, void *scratch, int threads) { abort(); }
+void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                    const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
+                    int threads) { abort(); }
 #if !AMX_COMPILER && !defined(QUILL_EMULATE_AVX512)
 long quill_amx_scratch_bytes(int B, int K) { return 0; }
-void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, float *out, int N, int K,
-                       int threads) { abort(); }
+void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                       const void *mins_d, float *out, int N, int K, int threads) { abort(); }
 #endif
 
 #endif

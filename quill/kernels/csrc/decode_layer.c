@@ -21,21 +21,24 @@
 void quill_gemv_q4_ld(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int, int);
 void quill_gemv_q8_ld(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int, int);
 void quill_gemv_kq(int, const uint8_t *, const float *, float *, float *, int, int, int, int, int, int);
-void quill_amx_gemv(int, const void *, const void *, const void *, const float *, float *, int, int, int, void *, int);
+void quill_amx_gemv(int, const void *, const void *, const void *, const void *, const void *, const float *, float *,
+                    int, int, int, int, void *, int);
 int quill_isa_used(int isa);
 int quill_gemv_i8(int, const uint8_t *, const float *, const float *, const float *, uint8_t *, float *, int, int, int, int, int, int);
 
 typedef struct QWeight {
-    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 + k = AMX-tiled kind k,
+    int kind; /* 0 = q4, 1 = q8, 2 = f32 (codes points at an (N, K) float matrix), 3 = AMX-tiled (of kind amx),
                  7 + k = GGUF blocks of kquant.c's kind k (0..9: Q4_K, Q6_K, Q5_0, IQ4_NL, IQ4_XS, Q5_K, F16, BF16,
                  Q2_K, Q3_K),
                  SPLIT = `parts` stacked */
     int rows, groups;
     const void *codes;
-    const void *scale, *mins; /* fp32, or fp16 for AMX-tiled kinds with bit 1 */
+    const void *scale, *mins; /* fp32, or as the AMX-tiled kind says (amx_gemv.c) */
     const float *bias;
     const struct QWeight *parts; /* kind SPLIT: the parts, each writing its rows of the output */
     int nparts;
+    int amx;                      /* kind 3: amx_gemv.c's kind */
+    const void *scale_d, *mins_d; /* kind 3 with K-quant scales: their fp16 factors */
 } QWeight;
 
 typedef struct {
@@ -145,7 +148,8 @@ static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float
     }
     if (w->kind == 0) quill_gemv_q4_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind == 1) quill_gemv_q8_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
-    else if (w->kind >= 3 && w->kind < 7) quill_amx_gemv(w->kind - 3, w->codes, w->scale, w->mins, x, out, N, K, B, sums, nt);
+    else if (w->kind == 3)
+        quill_amx_gemv(w->amx, w->codes, w->scale, w->mins, w->scale_d, w->mins_d, x, out, N, K, B, ld, sums, nt);
     else if (w->kind >= BLOCKS_FIRST && w->kind <= BLOCKS_LAST)
         quill_gemv_kq(w->kind - BLOCKS_FIRST, w->codes, x, sums, out, N, K, B, ld, m->isa, nt);
     else if (w->kind == SPLIT) {
@@ -160,7 +164,7 @@ static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float
 
 static void gemv(const ModelShape *m, const QWeight *w, const float *x, float *sums, float *out, int B) {
     const int N = w->rows;
-    gemv_ld(m, w, x, sums, out, B, N); /* AMX-tiled weights are never parts, so ld = N for them */
+    gemv_ld(m, w, x, sums, out, B, N);
     if (w->bias)
         for (int b = 0; b < B; b++)
             for (int n = 0; n < N; n++) out[(long)b * N + n] += w->bias[n];
