@@ -75,7 +75,7 @@ def test_kernel_rows_are_batch_invariant(qtype):
 # The types whose weights take the q4/q8 layouts, which the AMX tiling converts, and the GGUF block
 # types it tiles with their own scales (the others keep their GGUF blocks: quill.kernels.kquant).
 PACKED_TILED = [t for t in TYPES if isinstance(packed(t)[0], PackedWeight)]
-BLOCK_TILED = [Q.Q4_K, Q.IQ4_XS, Q.Q6_K]
+BLOCK_TILED = [Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q6_K]
 TILED_TYPES = PACKED_TILED + BLOCK_TILED
 
 
@@ -147,10 +147,11 @@ def test_split_projection_tiles_its_parts_and_writes_their_columns():
     """Q4_K_M's q/k/v: Q4_K parts beside a Q6_K part (and a Q2_K one that does not tile), each written into
     its columns of the fused output (the tiled kernel's row stride)."""
     parts = [packed(q, rows=r, blocks=2, seed=i) for i, (q, r) in enumerate([(Q.Q4_K, 32), (Q.Q6_K, 16), (Q.Q2_K, 16),
-                                                                             (Q.IQ4_XS, 48)])]
+                                                                             (Q.IQ4_XS, 48), (Q.Q5_K, 16)])]
     split = tiled.for_cpu(concat_rows([w for w, _ in parts]))
     assert isinstance(split, SplitWeight)
-    assert [type(p).__name__ for p in split.parts] == ["TiledWeight", "TiledWeight", "BlockWeight", "TiledWeight"]
+    assert [type(p).__name__ for p in split.parts] == ["TiledWeight", "TiledWeight", "BlockWeight", "TiledWeight",
+                                                       "TiledWeight"]
     ref = torch.from_numpy(np.concatenate([r for _, r in parts])).double()
     lin = PackedLinear(split, None, Workspace())
     for batch in (1, 5, 17):

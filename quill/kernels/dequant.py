@@ -193,22 +193,22 @@ def _unpack_iq4_xs(blocks: np.ndarray):
 
 @dataclass(frozen=True)
 class KScaleBlocks:
-    """Q4_K / IQ4_XS / Q6_K blocks split with their scales kept as the format stores them: an integer per
+    """Q4_K / Q5_K / IQ4_XS / Q6_K blocks split with their scales kept as the format stores them: an integer per
     group (32 weights; Q6_K 16) times an fp16 factor per 256. value = factor * scale * table(code) +
-    min_factor * min, where table is IQ4_VALUES for IQ4_XS, code - 32 for Q6_K and the code for Q4_K."""
+    min_factor * min, where table is IQ4_VALUES for IQ4_XS, code - 32 for Q6_K and the code for Q4_K, Q5_K."""
 
-    codes: np.ndarray  # (rows, cols) uint8: nibbles 0..15 (IQ4_XS: indices into IQ4_VALUES), Q6_K 0..63
-    scales: np.ndarray  # (rows, groups) int8: Q4_K's sc, IQ4_XS's ls - 32, Q6_K's per-16 scale
+    codes: np.ndarray  # (rows, cols) uint8: nibbles 0..15 (IQ4_XS: indices into IQ4_VALUES), Q5_K 0..31, Q6_K 0..63
+    scales: np.ndarray  # (rows, groups) int8: Q4_K's / Q5_K's sc, IQ4_XS's ls - 32, Q6_K's per-16 scale
     scale_factor: np.ndarray  # (rows, cols / 256) float16: d
-    mins: np.ndarray | None  # (rows, cols / 32) int8: Q4_K's m; None for IQ4_XS
+    mins: np.ndarray | None  # (rows, cols / 32) int8: Q4_K's / Q5_K's m; None for IQ4_XS and Q6_K
     min_factor: np.ndarray | None  # (rows, cols / 256) float16: -dmin
 
 
 def unpack_kscales(raw: np.ndarray, qtype, shape: tuple[int, int]) -> KScaleBlocks:
-    """Q4_K, IQ4_XS or Q6_K blocks -> KScaleBlocks (the AMX tiled layout keeps the file's compact scales)."""
+    """Q4_K, Q5_K, IQ4_XS or Q6_K blocks -> KScaleBlocks (the AMX tiled layout keeps the file's compact scales)."""
     qtype = _check_type(qtype)
-    if qtype not in (Q.Q4_K, Q.IQ4_XS, Q.Q6_K):
-        raise ValueError(f"{qtype.name} has no integer-times-factor scales here (Q4_K, IQ4_XS and Q6_K do)")
+    if qtype not in (Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q6_K):
+        raise ValueError(f"{qtype.name} has no integer-times-factor scales here (Q4_K, Q5_K, IQ4_XS and Q6_K do)")
     rows, cols = (int(n) for n in shape)
     blocks = _as_bytes(raw, qtype, (rows, cols)).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     nb = cols // 256
@@ -218,9 +218,9 @@ def unpack_kscales(raw: np.ndarray, qtype, shape: tuple[int, int]) -> KScaleBloc
         return KScaleBlocks(codes.reshape(rows, cols), blocks[:, 192:208].view(np.int8).reshape(rows, nb * 16), d,
                             None, None)
     d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, nb)
-    if qtype == Q.Q4_K:
+    if qtype in (Q.Q4_K, Q.Q5_K):  # the same 16-byte header: d, dmin, 6-bit scales and mins
         sc, m = _k4_scales_mins(blocks[:, 4:16])
-        codes = _low_high_nibbles(blocks[:, 16:144].reshape(-1, 4, 32))
+        codes = (_unpack_q4_k if qtype == Q.Q4_K else _unpack_q5_k)(blocks)[0]
         neg_dmin = -blocks[:, 2:4].copy().view(np.float16).reshape(rows, nb)  # -dmin * m == -(dmin * m) exactly
         return KScaleBlocks(codes.reshape(rows, cols), sc.astype(np.int8).reshape(rows, nb * 8), d,
                             m.astype(np.int8).reshape(rows, nb * 8), neg_dmin)

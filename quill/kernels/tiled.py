@@ -3,10 +3,10 @@
 Same values as the packed layout (value = scale * code + min), only reordered, so nothing is
 lost. Scales and mins stay fp16 where the file had them so (Q4_0, Q4_1, Q8_0) and all-zero mins
 (Q8_0's, which the packed layout already leaves out) are dropped, so it is smaller than the packed
-layout. Q4_K, IQ4_XS and Q6_K blocks tile too, their codes as nibbles (IQ4_XS's indices into its
-table; Q6_K's top 2 bits in a plane of their own) and their scales as the file stores them: an int8
-per 32 weights (Q6_K: 16) times an fp16 factor per 256, so the tiles take 1.03x (Q4_K), 1.015x
-(IQ4_XS) and 1.0x (Q6_K) the file's bytes. The kernel and the byte order are
+layout. Q4_K, Q5_K, IQ4_XS and Q6_K blocks tile too, their codes as nibbles (IQ4_XS's indices into its
+table; Q5_K's top bit and Q6_K's top 2 bits in planes of their own) and their scales as the file
+stores them: an int8 per 32 weights (Q6_K: 16) times an fp16 factor per 256, so the tiles take 1.03x
+(Q4_K), 1.023x (Q5_K), 1.015x (IQ4_XS) and 1.0x (Q6_K) the file's bytes. The kernel and the byte order are
 described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64), the other
 GGUF block types and CPUs without AMX keep their layout.
 """
@@ -25,15 +25,15 @@ from quill.kernels.kquant import BlockWeight
 from quill.kernels.packed import GROUP, GroupWeight, PackedWeight, SplitWeight
 
 ROWS, CHUNK = 16, 64
-KSCALE_TYPES = {Q.Q4_K: "q4", Q.IQ4_XS: "iq4", Q.Q6_K: "q6"}  # GGUF block types that tile, and their code kind
-_NATIVE = {"q4": 0, "q8": 1, "iq4": 8, "q6": 16}  # amx_gemv.c's kind bits for the codes (2: fp16 scales, 4: K-quant)
-TILE_BYTES = {"q4": 512, "iq4": 512, "q6": 768, "q8": 1024}
-GROUP_WEIGHTS = {"q4": 32, "iq4": 32, "q6": 16, "q8": 32}  # weights per scale
+KSCALE_TYPES = {Q.Q4_K: "q4", Q.Q5_K: "q5", Q.IQ4_XS: "iq4", Q.Q6_K: "q6"}  # GGUF block types that tile: code kind
+_NATIVE = {"q4": 0, "q8": 1, "iq4": 8, "q6": 16, "q5": 32}  # amx_gemv.c's kind bits for the codes (2: fp16, 4: K)
+TILE_BYTES = {"q4": 512, "iq4": 512, "q5": 640, "q6": 768, "q8": 1024}
+GROUP_WEIGHTS = {"q4": 32, "iq4": 32, "q5": 32, "q6": 16, "q8": 32}  # weights per scale
 
 
 @dataclass
 class TiledWeight(GroupWeight):
-    kind: str  # "q4" | "q8" | "iq4" | "q6"
+    kind: str  # "q4" | "q8" | "iq4" | "q5" | "q6"
     codes: torch.Tensor  # (rows/16, cols/64, TILE_BYTES[kind]): uint8, q8 int8
     scale: torch.Tensor  # (rows/16, groups, 16) float16 where that is exact (Q4_0, Q4_1, Q8_0), else float32,
     #                      or int8 times scale_d (K-quant scales)
@@ -86,10 +86,10 @@ class TiledWeight(GroupWeight):
         """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
         block, j = ids // ROWS, ids % ROWS
         tiles = self.codes[block]  # (T, C, TILE_BYTES)
-        if self.kind == "q6":
-            low, high = tiles[..., :512], tiles[..., 512:]
-            crumbs = torch.cat([(high >> (2 * k)) & 3 for k in range(4)], dim=-1)
-            tiles = (torch.cat((low & 15, low >> 4), dim=-1) | (crumbs << 4)).to(torch.int16) - 32
+        if self.kind in ("q5", "q6"):  # the nibbles, then the top bits' plane: 1 bit (q5) or 2 (q6) per code
+            low, high, width = tiles[..., :512], tiles[..., 512:], 1 if self.kind == "q5" else 2
+            top = torch.cat([(high >> (width * k)) & (2**width - 1) for k in range(8 // width)], dim=-1)
+            tiles = (torch.cat((low & 15, low >> 4), dim=-1) | (top << 4)).to(torch.int16) - (32 if width == 2 else 0)
         elif self.kind != "q8":
             tiles = torch.cat((tiles & 15, tiles >> 4), dim=-1)
         T, C = tiles.shape[:2]
@@ -130,23 +130,28 @@ def _fp16_exact(*ts: torch.Tensor) -> bool:
 
 def _tiles(codes: torch.Tensor, kind: str) -> torch.Tensor:
     """(n, k) codes -> (n/16, k/64, TILE_BYTES[kind]) tiles in the kernel's byte order: q8 1024 bytes,
-    q4 / iq4 512 bytes of nibble pairs, q6 (codes 0..63) those for the low 4 bits then 256 of 2-bit crumbs."""
+    q4 / iq4 512 bytes of nibble pairs, q5 (codes 0..31) and q6 (0..63) those for the low 4 bits, then
+    the top bits: byte b holds those of tile bytes b + (1024 / planes) k, 1 bit (q5) or 2 (q6) each."""
     n, k = codes.shape
     tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
     if kind == "q8":
         return tiles.contiguous()
     low = tiles & 15
     packed = low[..., :512] | (low[..., 512:] << 4)
-    if kind == "q6":
-        high = tiles >> 4
-        crumbs = high[..., :256] | (high[..., 256:512] << 2) | (high[..., 512:768] << 4) | (high[..., 768:] << 6)
-        packed = torch.cat((packed, crumbs), dim=-1)
+    if kind in ("q5", "q6"):
+        width = 1 if kind == "q5" else 2
+        span = 1024 * width // 8  # bytes of the top-bit plane
+        high = (tiles >> 4).split(span, dim=-1)
+        plane = high[0]
+        for k in range(1, len(high)):
+            plane = plane | (high[k] << (width * k))
+        packed = torch.cat((packed, plane), dim=-1)
     return packed.contiguous()
 
 
 def tile_weight(w) -> TiledWeight | None:
     """The tiled form of `w`, or None where the shape does not fit the tiles or `w` is neither a q4/q8
-    PackedWeight nor a Q4_K / IQ4_XS / Q6_K BlockWeight (other GGUF-block weights keep their own layout)."""
+    PackedWeight nor a Q4_K / Q5_K / IQ4_XS / Q6_K BlockWeight (other GGUF-block weights keep their own layout)."""
     if isinstance(w, BlockWeight):
         return _tile_kscales(w)
     if not isinstance(w, PackedWeight) or w.rows % ROWS or w.cols % CHUNK:

@@ -322,7 +322,7 @@ def _decode_weight(spec: dict, get, tiles: bool = True):
         if not tiles:
             raise QuillFileError("the file's structure holds AMX tiles but its layout is not 'amx'")
         kscales = spec.get("scale_d") is not None
-        if kscales and spec["kind"] == "q8" or not kscales and spec["kind"] in ("iq4", "q6"):
+        if kscales and spec["kind"] == "q8" or not kscales and spec["kind"] in ("iq4", "q5", "q6"):
             raise QuillFileError(f"{spec['kind']} tiles {'with' if kscales else 'without'} K-quant scales in the "
                                  "file's structure")
         scale = _checked(get(spec["scale"]), torch.int8 if kscales else (torch.float16, torch.float32), 3, "a tile scale")

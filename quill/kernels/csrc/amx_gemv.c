@@ -9,6 +9,8 @@
  *   q6: 768 bytes: the low 4 bits of the 6-bit codes as q4's 512, then 256 bytes whose byte b holds
  *       the top 2 bits of tile bytes b, b + 256, b + 512, b + 768 (bits 0-1, 2-3, 4-5, 6-7); the
  *       tile holds code - 32 (Q6_K). Its scales are per 16 weights (G16 = K/16 groups, 16 per 256).
+ *   q5: 640 bytes: the low 4 bits as q4's 512, then 128 bytes whose byte b holds bit 4 of tile bytes
+ *       b + 128 k in its bit k; unsigned codes 0..31 (Q5_K).
  * scale and mins are (N/16, G, 16): the 16 rows of a block side by side, one vector per group,
  * in fp16 where every value is exactly an fp16 (Q4_0, Q4_1, Q8_0 store them so), else fp32, or
  * (K-quant scales) int8 with a per-256-weight fp16 factor in scale_d / mins_d, (N/16, G/8, 16):
@@ -17,7 +19,7 @@
  * value = scale * code + min, exactly GGUF's values (code * scale is exact in fp32 for every type).
  * kind: bit 0 = q8 (else q4), bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bit 3 = iq4 codes,
  * bit 4 = q6 codes (with 16-weight groups: an item's A rows are 4 quarters x 3 digits, quarter u's
- * digits in bytes [16u, 16u + 16) of its rows).
+ * digits in bytes [16u, 16u + 16) of its rows), bit 5 = q5 codes.
  *
  * Activations become three signed bytes per element. Per item and 32-element group, with
  * 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(22-e)) is an integer with |v| <= 2^22 (an error of
@@ -62,7 +64,9 @@
 #define KIND_KSCALES 4
 #define KIND_IQ4 8
 #define KIND_Q6 16
-#define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6)) /* signed bytes: the top digit joins in fp32 */
+#define KIND_Q5 32
+#define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6)) /* signed bytes */
+#define WIDE_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6 | KIND_Q5)) /* the top digit joins in fp32 */
 static inline int rows_per_item(int kind) { return kind & KIND_Q6 ? MAX_ROWS_PER_ITEM : ROWS_PER_ITEM; }
 
 /* One weight's scales or mins: where they are and how they are stored (kind's bits 1 and 2). */
@@ -127,6 +131,20 @@ AVX512 static inline void unpack_tile_q6(const uint8_t *src, uint8_t *dst) {
     }
 }
 
+/* The q5 tile of (rb, c) unpacked to 1024 bytes, codes 0..31. */
+AVX512 static inline void unpack_tile_q5(const uint8_t *src, uint8_t *dst) {
+    const __m512i m = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    for (int i = 0; i < 128; i += 64) {
+        const __m512i h = _mm512_loadu_si512(src + 512 + i);
+        for (int k = 0; k < 8; k++) { /* tile bytes 128 k + i ..: the low nibbles of bytes (128 k + i) % 512 */
+            const __m512i v = _mm512_loadu_si512(src + (128 * k + i) % 512);
+            const __m512i lo = k < 4 ? _mm512_and_si512(v, m) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, k), one);
+            _mm512_store_si512(dst + 128 * k + i, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+        }
+    }
+}
+
 /* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. i = 16 * group + row in block. */
 static inline float group_value(const Scales *s, long i) {
     if (s->fmt == 2) return _cvtsh_ss(s->d[(i >> (4 + s->shift)) * 16 + (i & 15)]) * (float)((const int8_t *)s->v)[i];
@@ -144,6 +162,9 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
             const int8_t *tile;
             if (q6) {
                 unpack_tile_q6((const uint8_t *)codes + ((long)rb * C + c) * 768, staged);
+                tile = (const int8_t *)staged;
+            } else if (kind & KIND_Q5) {
+                unpack_tile_q5((const uint8_t *)codes + ((long)rb * C + c) * 640, staged);
                 tile = (const int8_t *)staged;
             } else if (kind & KIND_IQ4) {
                 unpack_tile_iq4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
@@ -279,8 +300,8 @@ static inline long group_bytes(const Scales *s) { return s->fmt == 2 ? 16 : s->f
 
 /* acc += one item's digits recombined (its 6 rows of the C tiles' copy) times the two groups'
  * scales and xscales. q4: |C| <= 32 * 128 * 15 per digit (the top digit's 64 halves that), so
- * C0 + 2^8 C1 + 2^16 C2 is exact in int32; q8's and iq4's codes are 8x wider, so their top digit
- * joins in fp32. */
+ * C0 + 2^8 C1 + 2^16 C2 is exact in int32; q8's and iq4's codes are 8x wider, q5's 2x, so their top
+ * digit joins in fp32. */
 AMX static inline __m512 combine(__m512 acc, const int32_t *r, int q8, __m512 s0, __m512 s1, float xs0, float xs1) {
     __m512 f[2];
     for (int h = 0; h < 2; h++, r += 48) {
@@ -316,11 +337,12 @@ AMX static inline __m512 combine_q6(__m512 acc, const int32_t *r, const __m512 s
     } while (0)
 
 /* Tile bytes: q4 packs a 1024-byte tile into 512. */
-static inline long tile_bytes(int kind) { return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : 512; }
+static inline long tile_bytes(int kind) { return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : 512; }
 
 AMX static inline void load_weight_tile(int kind, const void *codes, long tile, int p, uint8_t *staged) {
     if (!(kind & KIND_Q8)) {
         if (kind & KIND_Q6) unpack_tile_q6((const uint8_t *)codes + tile * 768, staged);
+        else if (kind & KIND_Q5) unpack_tile_q5((const uint8_t *)codes + tile * 640, staged);
         else if (kind & KIND_IQ4) unpack_tile_iq4((const uint8_t *)codes + tile * 512, staged);
         else unpack_tile_q4((const uint8_t *)codes + tile * 512, staged);
         if (p) _tile_loadd(5, staged, 64); else _tile_loadd(4, staged, 64);
@@ -338,7 +360,7 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
                         int threads) {
     if (!quill_amx_enable()) abort(); /* callers check first; this also requests the tile permission */
-    const int G = K / 32, C = K / 64, RB = N / 16, q8 = SIGNED_CODES(kind) != 0, rpi = rows_per_item(kind);
+    const int G = K / 32, C = K / 64, RB = N / 16, q8 = WIDE_CODES(kind) != 0, rpi = rows_per_item(kind);
     const int R = a_rows(B, rpi), q6 = (kind & KIND_Q6) != 0, Gs = q6 ? K / 16 : G; /* Gs: scale groups per row */
     const Scales sv = scales_of(kind, scale, scale_d), mv = scales_of(kind, mins, mins_d);
     float *xs = (float *)scratch, *xscale = xs + (long)B * G;
