@@ -38,7 +38,7 @@ class TiledWeight(GroupWeight):
     scale: torch.Tensor  # (rows/16, groups, 16) float16 where that is exact (Q4_0, Q4_1, Q8_0), else float32,
     #                      or int8 times scale_d (K-quant scales)
     mins: torch.Tensor | None  # like scale, or None where every min is zero
-    scale_d: torch.Tensor | None = None  # K-quant scales: (rows/16, groups/8, 16) float16 factors, else None
+    scale_d: torch.Tensor | None = None  # K-quant scales: (rows/16, cols/256, 16) float16 factors, else None
     mins_d: torch.Tensor | None = None  # the mins' factors, likewise
 
     @property
@@ -58,7 +58,8 @@ class TiledWeight(GroupWeight):
 
     @property
     def native_kind(self) -> int:
-        """The C kernel's kind: bit 0 = q8, bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bit 3 = iq4."""
+        """The C kernel's kind: bit 0 = q8, bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bits 3-5 =
+        iq4, q6, q5 codes."""
         return (_NATIVE[self.kind] | (2 if self.scale.dtype == torch.float16 else 0)
                 | (4 if self.scale_d is not None else 0))
 
