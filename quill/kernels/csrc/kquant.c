@@ -21,6 +21,7 @@
  * horizontal sum, whatever B is or where the item sits. Tiles over B only share the decoded
  * codes between items.
  *
+ * (On CPUs with AMX, unless QUILL_NO_AMX turns it off, those four load as AMX tiles, tiled.py, and run amx_gemv.c.)
  * On AVX-512 CPUs with VNNI (isa 512), Q4_K, Q5_K, Q6_K and IQ4_XS take kquant_i8.c's tiles instead, at
  * every batch (quill_gemv_tiles_f32: 16 rows decoded at once, each code register reused by every item;
  * x stays fp32): in an interleaved benchmark 0.74-1.01x the rows' time at batch 1, about 0.5x from
