@@ -13,7 +13,7 @@
  *       b + 128 k in its bit k; unsigned codes 0..31 (Q5_K).
  * scale and mins are (N/16, G, 16): the 16 rows of a block side by side, one vector per group,
  * in fp16 where every value is exactly an fp16 (Q4_0, Q4_1, Q8_0 store them so), else fp32, or
- * (K-quant scales) int8 with a per-256-weight fp16 factor in scale_d / mins_d, (N/16, G/8, 16):
+ * (K-quant scales) int8 with a per-256-weight fp16 factor in scale_d / mins_d, (N/16, K/256, 16):
  * the group's value is scale_d * scale, one fp32 product of an fp16 and a small integer, so
  * exact (Q4_K: d * sc and -dmin * m; IQ4_XS: d * (ls - 32)), and the layout as small as the file's.
  * value = scale * code + min, exactly GGUF's values (code * scale is exact in fp32 for every type).
@@ -68,6 +68,9 @@
 #define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6)) /* signed bytes */
 #define WIDE_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6 | KIND_Q5)) /* the top digit joins in fp32 */
 static inline int rows_per_item(int kind) { return kind & KIND_Q6 ? MAX_ROWS_PER_ITEM : ROWS_PER_ITEM; }
+static inline int scale_groups(int kind, int K) { return kind & KIND_Q6 ? K / 16 : K / 32; } /* per row */
+/* Bytes of one stored tile: q4 and iq4 pack a 1024-byte tile into 512, q5 into 640, q6 into 768. */
+static inline long tile_bytes(int kind) { return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : 512; }
 
 /* One weight's scales or mins: where they are and how they are stored (kind's bits 1 and 2). */
 typedef struct {
@@ -145,6 +148,18 @@ AVX512 static inline void unpack_tile_q5(const uint8_t *src, uint8_t *dst) {
     }
 }
 
+/* Tile `tile`'s 1024 codes in the tile unit's byte order: a q8 tile where it lies, the others unpacked
+ * into `staged` (64-byte aligned). */
+AVX512 static inline const uint8_t *tile_codes(int kind, const void *codes, long tile, uint8_t *staged) {
+    const uint8_t *src = (const uint8_t *)codes + tile * tile_bytes(kind);
+    if (kind & KIND_Q8) return src;
+    if (kind & KIND_Q6) unpack_tile_q6(src, staged);
+    else if (kind & KIND_Q5) unpack_tile_q5(src, staged);
+    else if (kind & KIND_IQ4) unpack_tile_iq4(src, staged);
+    else unpack_tile_q4(src, staged);
+    return staged;
+}
+
 /* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. i = 16 * group + row in block. */
 static inline float group_value(const Scales *s, long i) {
     if (s->fmt == 2) return _cvtsh_ss(s->d[(i >> (4 + s->shift)) * 16 + (i & 15)]) * (float)((const int8_t *)s->v)[i];
@@ -153,35 +168,20 @@ static inline float group_value(const Scales *s, long i) {
 
 AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                               const void *mins_d, float *out, int N, int K, int threads) {
-    const int C = K / 64, RB = N / 16, q6 = (kind & KIND_Q6) != 0, G = q6 ? K / 16 : K / 32;
+    const int C = K / 64, RB = N / 16, G = scale_groups(kind, K), n = G / C; /* n: scale groups per chunk */
     const Scales sv = scales_of(kind, scale, scale_d), mv = scales_of(kind, mins, mins_d);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int rb = 0; rb < RB; rb++) {
         _Alignas(64) uint8_t staged[1024];
         for (int c = 0; c < C; c++) {
-            const int8_t *tile;
-            if (q6) {
-                unpack_tile_q6((const uint8_t *)codes + ((long)rb * C + c) * 768, staged);
-                tile = (const int8_t *)staged;
-            } else if (kind & KIND_Q5) {
-                unpack_tile_q5((const uint8_t *)codes + ((long)rb * C + c) * 640, staged);
-                tile = (const int8_t *)staged;
-            } else if (kind & KIND_IQ4) {
-                unpack_tile_iq4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
-                tile = (const int8_t *)staged;
-            } else if (!(kind & KIND_Q8)) {
-                unpack_tile_q4((const uint8_t *)codes + ((long)rb * C + c) * 512, staged);
-                tile = (const int8_t *)staged;
-            } else {
-                tile = (const int8_t *)codes + ((long)rb * C + c) * 1024;
-            }
+            const int8_t *tile = (const int8_t *)tile_codes(kind, codes, (long)rb * C + c, staged);
             const uint32_t *quads = (const uint32_t *)tile; /* dword 16 kk + j: row j's codes 4 kk .. 4 kk + 3 */
             for (int j = 0; j < 16; j++) {
                 _Alignas(64) uint32_t row[16]; /* row j's 64 codes in column order */
                 for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
                 float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
                 for (int u = 0; u < 4; u++) { /* 16 at a time: value = fmaf(code, scale, min) */
-                    const long gi = ((long)rb * G + (q6 ? 4 * c + u : 2 * c + u / 2)) * 16 + j;
+                    const long gi = ((long)rb * G + n * c + u * n / 4) * 16 + j; /* the group of codes 16u.. */
                     const __m512 s = _mm512_set1_ps(group_value(&sv, gi));
                     const __m512 m = _mm512_set1_ps(mins ? group_value(&mv, gi) : 0.f);
                     const __m128i b = _mm_load_si128((const __m128i *)((const uint8_t *)row + 16 * u));
@@ -298,30 +298,18 @@ AMX static inline __m512 load_group(const Scales *s, long group) {
 /* Bytes of one group's 16 values, for the prefetch. */
 static inline long group_bytes(const Scales *s) { return s->fmt == 2 ? 16 : s->fmt ? 32 : 64; }
 
-/* acc += one item's digits recombined (its 6 rows of the C tiles' copy) times the two groups'
- * scales and xscales. q4: |C| <= 32 * 128 * 15 per digit (the top digit's 64 halves that), so
- * C0 + 2^8 C1 + 2^16 C2 is exact in int32; q8's and iq4's codes are 8x wider, q5's 2x, so their top
- * digit joins in fp32. */
-AMX static inline __m512 combine(__m512 acc, const int32_t *r, int q8, __m512 s0, __m512 s1, float xs0, float xs1) {
-    __m512 f[2];
-    for (int h = 0; h < 2; h++, r += 48) {
+/* acc += one item's digits recombined (its rows of the C tiles' copy, 3 per group) times each of the
+ * chunk's n groups' scales (2 halves; q6: 4 quarters) and its 32-group's xscale (the first half of the
+ * groups have the chunk's first). q4: |C| <= 32 * 128 * 15 per digit (the top digit's 64 halves that),
+ * so C0 + 2^8 C1 + 2^16 C2 is exact in int32; the wide codes (q8's and iq4's 8x wider, q5's 2x, q6's
+ * 16 weights of 6 bits) add their top digit in fp32. */
+AMX static inline __m512 combine(__m512 acc, const int32_t *r, int wide, const __m512 *s, int n, float xs0, float xs1) {
+    for (int u = 0; u < n; u++, r += 48) {
         const __m512i c2 = _mm512_load_si512(r + 32);
-        __m512i lo = _mm512_add_epi32(_mm512_load_si512(r), _mm512_slli_epi32(_mm512_load_si512(r + 16), 8));
-        f[h] = q8 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_set1_ps(65536.f), _mm512_cvtepi32_ps(lo))
-                  : _mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32(c2, 16)));
-    }
-    acc = _mm512_fmadd_ps(f[0], _mm512_mul_ps(s0, _mm512_set1_ps(xs0)), acc);
-    return _mm512_fmadd_ps(f[1], _mm512_mul_ps(s1, _mm512_set1_ps(xs1)), acc);
-}
-
-/* combine for q6: 12 rows, four 16-weight groups with their own scales; quarters 0-1 share the first
- * 32-group's xscale, 2-3 the second's. |C| <= 16 * 128 * 32 per digit: the top digit joins in fp32. */
-AMX static inline __m512 combine_q6(__m512 acc, const int32_t *r, const __m512 s[4], float xs0, float xs1) {
-    for (int u = 0; u < 4; u++, r += 48) {
         const __m512i lo = _mm512_add_epi32(_mm512_load_si512(r), _mm512_slli_epi32(_mm512_load_si512(r + 16), 8));
-        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(r + 32)), _mm512_set1_ps(65536.f),
-                                         _mm512_cvtepi32_ps(lo));
-        acc = _mm512_fmadd_ps(f, _mm512_mul_ps(s[u], _mm512_set1_ps(u < 2 ? xs0 : xs1)), acc);
+        const __m512 f = wide ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_set1_ps(65536.f), _mm512_cvtepi32_ps(lo))
+                              : _mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32(c2, 16)));
+        acc = _mm512_fmadd_ps(f, _mm512_mul_ps(s[u], _mm512_set1_ps(2 * u < n ? xs0 : xs1)), acc);
     }
     return acc;
 }
@@ -336,20 +324,9 @@ AMX static inline __m512 combine_q6(__m512 acc, const int32_t *r, const __m512 s
         _tile_stored(c, (dst), 64);                                            \
     } while (0)
 
-/* Tile bytes: q4 packs a 1024-byte tile into 512. */
-static inline long tile_bytes(int kind) { return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : 512; }
-
 AMX static inline void load_weight_tile(int kind, const void *codes, long tile, int p, uint8_t *staged) {
-    if (!(kind & KIND_Q8)) {
-        if (kind & KIND_Q6) unpack_tile_q6((const uint8_t *)codes + tile * 768, staged);
-        else if (kind & KIND_Q5) unpack_tile_q5((const uint8_t *)codes + tile * 640, staged);
-        else if (kind & KIND_IQ4) unpack_tile_iq4((const uint8_t *)codes + tile * 512, staged);
-        else unpack_tile_q4((const uint8_t *)codes + tile * 512, staged);
-        if (p) _tile_loadd(5, staged, 64); else _tile_loadd(4, staged, 64);
-    } else {
-        const int8_t *src = (const int8_t *)codes + tile * 1024;
-        if (p) _tile_loadd(5, src, 64); else _tile_loadd(4, src, 64);
-    }
+    const uint8_t *src = tile_codes(kind, codes, tile, staged);
+    if (p) _tile_loadd(5, src, 64); else _tile_loadd(4, src, 64);
 }
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for a tiled weight (kind as above); mins may be NULL (all
@@ -360,8 +337,8 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
                         int threads) {
     if (!quill_amx_enable()) abort(); /* callers check first; this also requests the tile permission */
-    const int G = K / 32, C = K / 64, RB = N / 16, q8 = WIDE_CODES(kind) != 0, rpi = rows_per_item(kind);
-    const int R = a_rows(B, rpi), q6 = (kind & KIND_Q6) != 0, Gs = q6 ? K / 16 : G; /* Gs: scale groups per row */
+    const int G = K / 32, C = K / 64, RB = N / 16, wide = WIDE_CODES(kind) != 0, rpi = rows_per_item(kind);
+    const int R = a_rows(B, rpi), Gs = scale_groups(kind, K), n = Gs / C; /* n: scale groups per chunk */
     const Scales sv = scales_of(kind, scale, scale_d), mv = scales_of(kind, mins, mins_d);
     float *xs = (float *)scratch, *xscale = xs + (long)B * G;
     int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)B * G) + 63) & ~(uintptr_t)63);
@@ -414,19 +391,11 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                     }
                     if (c > 0) { /* read out the previous chunk while this one multiplies */
                         const int pc = c - 1;
-                        if (q6) {
-                            __m512 s4[4];
-                            for (int u = 0; u < 4; u++) s4[u] = load_group(&sv, gs0 + 4 * pc + u);
-                            for (int t = 0; t < nb; t++) {
-                                const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
-                                acc[t] = combine_q6(acc[t], ctile[pc & 1] + t * rpi * 16, s4, xsc[0], xsc[1]);
-                            }
-                        } else {
-                            const __m512 s0 = load_group(&sv, gs0 + 2 * pc), s1 = load_group(&sv, gs0 + 2 * pc + 1);
-                            for (int t = 0; t < nb; t++) {
-                                const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
-                                acc[t] = combine(acc[t], ctile[pc & 1] + t * rpi * 16, q8, s0, s1, xsc[0], xsc[1]);
-                            }
+                        __m512 s[4];
+                        for (int u = 0; u < n; u++) s[u] = load_group(&sv, gs0 + (long)n * pc + u);
+                        for (int t = 0; t < nb; t++) {
+                            const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
+                            acc[t] = combine(acc[t], ctile[pc & 1] + t * rpi * 16, wide, s, n, xsc[0], xsc[1]);
                         }
                     }
                 }
