@@ -46,24 +46,23 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _finite_float(text: str, zero_ok: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not (0 <= value if zero_ok else 0 < value) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected {'a number of at least 0' if zero_ok else 'a positive number'}, "
+                                         f"got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _finite_float(text, zero_ok=False)
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text!r}")
-    return value
+    return _finite_float(text, zero_ok=True)
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:

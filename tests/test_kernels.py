@@ -85,7 +85,7 @@ def tiled_pair(qtype, rows=48, seed=0):
     return w, tiled.tile_weight(w), ref
 
 
-def test_tiled_types_are_the_q4_q8_layouts_and_three_block_types():
+def test_tiled_types_are_the_q4_q8_layouts_and_four_block_types():
     assert [t.name for t in PACKED_TILED] == ["Q4_0", "Q4_1", "Q5_1", "Q8_0"]
     w = packed(Q.Q2_K)[0]
     assert tiled.tile_weight(w) is None and tiled.for_cpu(w) is w  # other block weights pass through unchanged

@@ -208,7 +208,7 @@ def test_mixed_model_decodes_on_the_fused_path(tmp_path, mix):
     dense = LlamaForCausalLM(gf.model_config(), DenseWeights(gf.dequantize_tensor))
     from quill.kernels.tiled import TiledWeight
 
-    def as_file(w) -> bool:  # GGUF's blocks, or (AMX hosts) Q4_K / IQ4_XS tiles with the file's scales
+    def as_file(w) -> bool:  # GGUF's blocks, or (AMX hosts) Q4_K / Q5_K / IQ4_XS / Q6_K tiles with the file's scales
         return isinstance(w, BlockWeight) or (isinstance(w, TiledWeight) and w.scale_d is not None)
 
     assert isinstance(packed.layers[0].self_attn.qkv_proj.weight, SplitWeight)

@@ -390,3 +390,18 @@ def test_every_architecture_round_trips(tmp_path, kind):
     assert in_file == [kind != "phi3"] * len(mapped.ropes)
     prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     assert torch.equal(_prefill_and_decode_logits(mapped, cfg, prompt), _prefill_and_decode_logits(source, cfg, prompt))
+
+
+def test_k_quant_tiles_need_their_scale_factors_and_q8_tiles_have_none():
+    """A tiled spec whose kind and K-quant scale factors disagree is a damaged file, refused before any shape."""
+    get = {"c": torch.zeros(1, 4, 512, dtype=torch.uint8), "s": torch.zeros(1, 8, 16, dtype=torch.int8),
+           "d": torch.zeros(1, 1, 16, dtype=torch.float16), None: None}.get
+    for kind in ("iq4", "q5", "q6"):
+        with pytest.raises(QuillFileError, match=f"{kind} tiles without K-quant scales"):
+            quillfile._decode_weight({"t": "tiled", "kind": kind, "codes": "c", "scale": "s", "mins": None}, get)
+    with pytest.raises(QuillFileError, match="q8 tiles with K-quant scales"):
+        quillfile._decode_weight({"t": "tiled", "kind": "q8", "codes": "c", "scale": "s", "mins": None,
+                                  "scale_d": "d"}, get)
+    t = quillfile._decode_weight({"t": "tiled", "kind": "iq4", "codes": "c", "scale": "s", "mins": None,
+                                  "scale_d": "d"}, get)  # 256 columns of IQ4_XS: one factor per row
+    assert (t.kind, t.rows, t.cols, t.native_kind) == ("iq4", 16, 256, 8 | 4)

@@ -129,8 +129,8 @@ def _layout(w, keep: list) -> QWeight | None:
         return QWeight(SPLIT_KIND, w.rows, w.groups, None, None, None, None, array, len(parts))
     if isinstance(w, BlockWeight):
         return QWeight(BLOCKS_KIND + w.kind, w.rows, w.groups, w.blocks.data_ptr(), None, None, None)
-    mins = None if w.mins is None else w.mins.data_ptr()  # NULL: all zero, the kernels skip the min terms
     if isinstance(w, PackedWeight):
+        mins = None if w.mins is None else w.mins.data_ptr()  # NULL: all zero, the kernels skip the min terms
         return QWeight(0 if w.kind == "q4" else 1, w.rows, w.groups, w.codes.data_ptr(), w.scale.data_ptr(), mins, None)
     _, codes, scale, mins, scale_d, mins_d = w.native_args()  # AMX tiled
     return QWeight(AMX_KIND, w.rows, w.groups, codes, scale, mins, None, None, 0, w.native_kind, scale_d, mins_d)

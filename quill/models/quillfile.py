@@ -241,7 +241,7 @@ def _encode_weight(w, table: _TensorTable, name: str) -> dict:
     if original in table._weights:
         return table._weights[original]
     if table.tile and isinstance(w, (PackedWeight, BlockWeight)):
-        w = tile_weight(w) or w  # exactly tiled.for_cpu's rule (split parts too): q4/q8, Q4_K, IQ4_XS that fit
+        w = tile_weight(w) or w  # exactly tiled.for_cpu's rule, split parts too
     if isinstance(w, TiledWeight) or isinstance(w, PackedWeight):
         spec = {"t": "tiled" if isinstance(w, TiledWeight) else "packed", "kind": w.kind,
                 "codes": table.put(name + ".codes", w.codes), "scale": table.put(name + ".scale", w.scale),
@@ -310,19 +310,19 @@ def _decode_weight(spec: dict, get, tiles: bool = True):
     if kind in ("packed", "tiled"):
         if spec.get("kind") not in (("q4", "q8") if kind == "packed" else TILE_BYTES):
             raise QuillFileError(f"unknown packed layout {spec.get('kind')!r} in the file's structure")
-        q4 = spec["kind"] != "q8"
-        code_type = torch.uint8 if q4 else torch.int8
+        q8 = spec["kind"] == "q8"
+        code_type = torch.int8 if q8 else torch.uint8
         if kind == "packed":
             scale = _checked(get(spec["scale"]), torch.float32, 2, "a group scale")
             rows, groups = scale.shape
-            codes = _checked(get(spec["codes"]), code_type, 2, "q4/q8 codes", (rows, groups * (16 if q4 else GROUP)))
+            codes = _checked(get(spec["codes"]), code_type, 2, "q4/q8 codes", (rows, groups * (GROUP if q8 else 16)))
             mins = get(spec["mins"])
             return PackedWeight(spec["kind"], codes, scale,
                                 None if mins is None else _checked(mins, torch.float32, 2, "group mins", (rows, groups)))
         if not tiles:
             raise QuillFileError("the file's structure holds AMX tiles but its layout is not 'amx'")
         kscales = spec.get("scale_d") is not None
-        if kscales and spec["kind"] == "q8" or not kscales and spec["kind"] in ("iq4", "q5", "q6"):
+        if kscales and q8 or not kscales and spec["kind"] not in ("q4", "q8"):  # q4 tiles come either way
             raise QuillFileError(f"{spec['kind']} tiles {'with' if kscales else 'without'} K-quant scales in the "
                                  "file's structure")
         scale = _checked(get(spec["scale"]), torch.int8 if kscales else (torch.float16, torch.float32), 3, "a tile scale")
