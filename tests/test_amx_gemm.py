@@ -115,3 +115,103 @@ def test_hardware_and_emulation_agree_within_the_bound(monkeypatch):
     assert rc == 0
     assert _error(hw, x, w) < BOUND and _error(emu, x, w) < BOUND
     assert ((hw - emu).abs() / (x.abs() @ w.abs().T)).max().item() < 2 * BOUND
+
+
+# The K-quant tile kinds quill_kq_gemm reads straight from the AMX-tiled layout (amx_gemv.c's).
+KQ_TYPES = ["Q4_K", "Q5_K", "IQ4_XS", "Q6_K"]
+
+
+def _kq_weight(name: str, N: int, K: int, seed: int):
+    """A K-quant weight of random valid blocks in the tiled layout, and gguf's fp64 values of it."""
+    import gguf
+    import numpy as np
+
+    from quill.bench.synth import random_blocks
+    from quill.kernels.packed import pack_gguf
+    from quill.kernels.tiled import tile_weight
+
+    raw = random_blocks(name, N, K, np.random.default_rng(seed))
+    qtype = gguf.GGMLQuantizationType[name]
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(N, K)).double()
+    t = tile_weight(pack_gguf(qtype, (N, K), raw))
+    assert t is not None and t.native_kind & gemm.KQ_FORMAT
+    return t, ref
+
+
+def _kq_error(out, x, ref):
+    return ((out.double() - x.double() @ ref.T).abs() / (x.double().abs() @ ref.abs().T)).max().item()
+
+
+@pytest.mark.parametrize("name", KQ_TYPES)
+@pytest.mark.parametrize("M", [17, 45], ids=["one-block-pair", "odd-blocks"])
+def test_kq_gemm_matches_fp64_within_fp32_rounding(lib, name, M):
+    # 96 rows: a turn of 3 row pairs (fewer than a full turn of 4); 768 columns: 3 superblocks
+    t, ref = _kq_weight(name, 96, 768, seed=M)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 768, generator=g) * torch.logspace(-3, 3, 768)  # magnitudes spread over 6 decades
+    out = torch.full((M, 96), 7.0)
+    with options.use(options.resolve(amx=True)):
+        assert gemm.matmul_quantized(x, t, out)
+    assert _kq_error(out, x, ref) < BOUND
+    # the same sum with the weights in one bf16 part would fail the bound: the test can tell
+    assert _kq_error(x @ ref.float().bfloat16().float().T, x, ref) > 100 * BOUND
+
+
+def test_kq_gemm_writes_each_split_part_into_its_columns(lib):
+    from quill.kernels.packed import SplitWeight
+
+    (a, ref_a), (b, ref_b) = _kq_weight("Q4_K", 64, 512, 1), _kq_weight("Q6_K", 32, 512, 2)
+    x = torch.randn(600, 512, generator=torch.Generator().manual_seed(3))  # two kernel calls of MAX_ROWS and 88
+    out = torch.full((600, 96), float("nan"))
+    with options.use(options.resolve(amx=True)):
+        assert gemm.matmul_quantized(x, SplitWeight([a, b]), out)
+    assert _kq_error(out, x, torch.cat([ref_a, ref_b])) < BOUND
+
+
+def test_kq_gemm_refuses_what_it_does_not_read(lib):
+    from quill.kernels.packed import SplitWeight
+    from quill.kernels.tiled import tile_weight
+    from quill.kernels.quantize import quantize_int8
+
+    t, _ = _kq_weight("Q4_K", 48, 256, 4)  # 48 rows: not whole 32-row pairs
+    good, _ = _kq_weight("Q4_K", 32, 256, 5)
+    q8 = tile_weight(quantize_int8(torch.randn(32, 256)))  # an AMX tile without K-quant scales
+    x = torch.randn(20, 256)
+    out = torch.full((20, 48), 7.0)
+    with options.use(options.resolve(amx=True)):
+        assert not gemm.matmul_quantized(x, t, out)
+        assert not gemm.matmul_quantized(x, q8, out[:, :32].contiguous())
+        assert not gemm.matmul_quantized(x, SplitWeight([good, q8]), torch.empty(20, 64))  # every part or none
+        assert not gemm.matmul_quantized(x[: gemm.MIN_ROWS - 1], good, torch.empty(gemm.MIN_ROWS - 1, 32))
+        assert gemm.matmul_quantized(x, good, torch.empty(20, 32))
+    with options.use(options.resolve(amx=False)):  # QUILL_NO_AMX=1's engine
+        assert not gemm.matmul_quantized(x, good, torch.empty(20, 32))
+    assert torch.equal(out, torch.full((20, 48), 7.0))
+
+
+def test_prefill_rows_of_a_k_quant_linear_take_the_kernel(lib):
+    from quill.kernels.packed import PackedLinear, Workspace
+
+    t, ref = _kq_weight("IQ4_XS", 64, 512, 6)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(7))
+    with options.use(options.resolve(amx=True)):
+        lin = PackedLinear(t, None, Workspace())
+        out = lin(x, gemv_rows=3)  # 3 decode rows on the GEMV, 37 prefill rows on quill_kq_gemm
+        assert _kq_error(out, x, ref) < BOUND
+        assert torch.equal(out[:3], lin(x[:3], gemv_rows=3))
+
+
+@pytest.mark.skipif(native.load() is None or not native.load().quill_amx_bf16_hw(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_kq_hardware_and_emulation_agree_within_the_bound(monkeypatch, name):
+    t, ref = _kq_weight(name, 64, 512, 8)
+    x = torch.randn(24, 512, generator=torch.Generator().manual_seed(9))
+    outs = []
+    for emulate in (False, True):
+        if emulate:
+            use_emulation(monkeypatch, "amx")
+        out = torch.empty(24, 64)
+        with options.use(options.resolve(amx=True)):
+            assert gemm.matmul_quantized(x, t, out)
+        outs.append(out)
+    assert _kq_error(outs[0], x, ref) < BOUND and _kq_error(outs[1], x, ref) < BOUND

@@ -190,7 +190,7 @@ def write_mixed_gguf(path, mix=MIX, hidden=256, inter=512, layers=2, heads=4, kv
 @pytest.mark.parametrize("mix", [MIX, MIX_32, MIX_5, MIX_2], ids=["q4_k_m", "q5_0-iq4", "q5_k-f16-bf16", "q2_k-q3_k"])
 def test_mixed_model_decodes_on_the_fused_path(tmp_path, mix):
     """Packed (blocks as in the file, q/k/v a split of Q4_K and Q6_K) against the same file loaded
-    dense (gguf's dequantization, fp32, torch path): prefill and 8 decode steps within 1e-4 of the
+    dense (gguf's dequantization, fp32, torch path): prefill and 8 decode steps within 1e-3 of the
     logits' scale (each kernel alone is within 1e-5, test_gemv_matches_fp64_reference), with
     the fused decode path asserted; resident weights within 1.1x the file's tensor bytes."""
     from quill.models.gguf import GGUFModelFile
@@ -237,7 +237,11 @@ def test_mixed_model_decodes_on_the_fused_path(tmp_path, mix):
     seqs = {name: Sequence(name, prompt, SamplingParams()) for name in runs}
     logits = {name: run_chunk(r, bm, seqs[name], 0, len(prompt)) for name, (r, bm) in runs.items()}
     def close(a, b):
-        return ((a - b).abs().max() / b.abs().max()).item() < 1e-4  # fp32 sums in other orders, through 2 layers
+        # fp32 sums in other orders, through 2 layers of random weights whose activations reach ~1e4: the
+        # dense path alone moves its prefill logits by up to 2.2e-4 of their scale with BLAS instead of the
+        # AMX tile GEMM (6 prompts measured on a Xeon), and the packed prefill's K-quant GEMM differs from
+        # both (each of its linears is as close to fp64 as either: tests/test_amx_gemm.py)
+        return ((a - b).abs().max() / b.abs().max()).item() < 1e-3
 
     assert close(logits["packed"], logits["dense"])
     for step in range(8):

@@ -125,6 +125,11 @@ def load(emulate: str | None = None) -> ctypes.CDLL | None:
     lib.quill_x3_scratch_bytes.restype = ctypes.c_long
     lib.quill_x3_gemm.argtypes = [P, P, P, I, I, I, I, P, I]
     lib.quill_x3_gemm.restype = I
+    # the same from a K-quant tiled weight: kind, codes, scale, mins, scale_d, mins_d, x, out, M, N, K, ldo, scratch, threads
+    lib.quill_kq_scratch_bytes.argtypes = [I, I, I]
+    lib.quill_kq_scratch_bytes.restype = ctypes.c_long
+    lib.quill_kq_gemm.argtypes = [I, P, P, P, P, P, P, P, I, I, I, I, P, I]
+    lib.quill_kq_gemm.restype = I
     lib.quill_gemv_kq.argtypes = [I, P, P, P, P, I, I, I, I, I, I]  # kind, blocks, x, xs, out, N, K, B, ld, isa, threads
     lib.quill_gemv_kq.restype = None
     lib.quill_dequant_kq.argtypes = [I, P, P, I, I, I]

@@ -241,7 +241,8 @@ class PackedLinear(nn.Module):
             kernel_rows = 0
         if kernel_rows:
             self.gemv(x[:kernel_rows], out[:kernel_rows])
-        if kernel_rows < T:
+        if kernel_rows < T and not gemm.matmul_quantized(x[kernel_rows:], self.weight, out[kernel_rows:],
+                                                         self.workspace.scratch):
             w = self.weight.dequantize(self.workspace.tile(self.out_features * self.in_features).view(
                 self.out_features, self.in_features))
             gemm.matmul_t(x[kernel_rows:], w, out[kernel_rows:], self.workspace.scratch)

@@ -10,6 +10,8 @@
  * random data its error is below that of a sequential fp32 FMA chain (tests/test_amx_gemm.py). A NaN or an
  * infinity in x or w makes the dot it enters NaN.
  *
+ * quill_kq_gemm, further down, is the same product read straight from a K-quant AMX-tiled weight.
+ *
  * Tiles: the weight is the A operand, 16 weight rows x 32 k (row-major bf16, as split here from w's
  * rows); x is the B operand, in VNNI order: tile row kk holds, for each of 16 tokens, the pair
  * (x[2kk], x[2kk + 1]). C is (weight row, token), transposed on the way out. A thread takes 128 weight
@@ -203,11 +205,158 @@ AMXBF int quill_x3_gemm(const float *x, const float *w, float *out, int M, int N
     return 0;
 }
 
+
+/* The same product straight from a K-quant tiled weight (amx_gemv.c's layout, kind bit 2: Q4_K, Q5_K,
+ * IQ4_XS, Q6_K), without an fp32 copy of it: out (M, ldo) columns [0, N) = x (M, K) @ W^T where W's row n,
+ * superblock b (256 columns) is scale_d[n, b] * code * scale + mins_d[n, b] * min per group (amx_gemv.c).
+ *
+ * Each code * scale is an integer that two bf16 parts hold exactly (quill_amx_kq_rows), so of the six
+ * products of x's three parts with them, the five with i + j <= 2 are summed (the one left out is below
+ * 2^-24 |x| |w|, as in quill_x3_gemm): five tile products per 32 k instead of six, and the weight is
+ * unpacked from its 4.5 to 6.5 bits into the thread's scratch, never written out in fp32. Per superblock
+ * the four C tiles start from zero, take the 8 steps' products, and are added to the fp32 sums scaled by
+ * the superblock's factor, with the mins times x's group sums (summed once per token and group). So an
+ * output is the fp32 sum over superblocks of scale_d times an fp32 dot product of exact integers with x:
+ * its error is within a few fp32 roundings of sum |x| |w| (tests/test_amx_gemm.py). */
+#define KQ_FORMAT 4 /* amx_gemv.c's kind bit for the K-quant scales (int8 per group, fp16 per 256) */
+
+void quill_amx_kq_rows(int kind, const void *codes, const void *scale, int K, int rb, int c0, int cn, uint16_t *dst);
+
+static inline long kq_thread_bytes(int M) {
+    return (long)X3_PAIRS * 32 * 256 * 2 * 2 + (long)X3_PAIRS * ((x3_blocks(M) + 1) / 2) * 1024 * 4;
+}
+
+/* Bytes of scratch quill_kq_gemm needs: x's parts and group sums, and per thread the weight parts and sums. */
+long quill_kq_scratch_bytes(int M, int K, int threads) {
+    return 128 + (long)x3_blocks(M) * 16 * K * 3 * 2 + (long)x3_blocks(M) * 16 * (K / 32) * 4
+           + (long)(threads > 0 ? threads : 1) * kq_thread_bytes(M);
+}
+
+/* The five products of one 32-k step (x0 w0, x0 w1, x1 w1, x1 w0, x2 w0): 12 tile loads serve 20 tile
+ * products, each load issued right after the last product that reads its register's previous contents (on
+ * the Xeon measured, as fast as loading before each group of four, no faster). Registers: C 0-3 as in x3, w in 4
+ * (rows a) and 5 (rows b), x in 6 (tokens a) and 7 (tokens b). The last products load the next step's
+ * x0 and w0 (at xa + nx, wa + nw), none after a superblock's last step (nx = 0: those are loaded again). */
+#define KQ_STEP_FIRST do { _tile_loadd(4, wa, 64); _tile_loadd(5, wb, 64); _tile_loadd(6, xa, 64); _tile_loadd(7, xb, 64); } while (0)
+#define KQ_STEP(nx, nw) do {                                                                               \
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_loadd(4, wa + 512, 64);                  \
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); _tile_loadd(5, wb + 512, 64);                  \
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6); _tile_loadd(6, xa + 512, 64);                  \
+        _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7); _tile_loadd(7, xb + 512, 64);                  \
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_loadd(4, wa, 64);                        \
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); _tile_loadd(5, wb, 64);                        \
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6); _tile_loadd(6, xa + 1024, 64);                 \
+        _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7); _tile_loadd(7, xb + 1024, 64);                 \
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);                                                 \
+        if (nx) _tile_loadd(4, wa + (nw), 64);                                                           \
+        _tile_dpbf16ps(2, 5, 6);                                                                         \
+        if (nx) _tile_loadd(6, xa + (nx), 64);                                                           \
+        _tile_dpbf16ps(3, 5, 7);                                                                         \
+        if (nx) { _tile_loadd(5, wb + (nw), 64); _tile_loadd(7, xb + (nx), 64); }                        \
+    } while (0)
+
+/* acc (16 weight rows x 16 tokens) += d[r] * c[r] + sum over the superblock's groups of m[r][g] * xs[g] */
+AMXBF static inline void kq_add(float *acc, const float *c, const float *d, const float (*m)[8], const float *xs,
+                                long xs_ld, int first) {
+    for (int r = 0; r < 16; r++) {
+        __m512 v = _mm512_mul_ps(_mm512_set1_ps(d[r]), _mm512_load_ps(c + 16 * r));
+        if (m)
+            for (int g = 0; g < 8; g++) v = _mm512_fmadd_ps(_mm512_set1_ps(m[r][g]), _mm512_loadu_ps(xs + g * xs_ld), v);
+        _mm512_store_ps(acc + 16 * r, first ? v : _mm512_add_ps(_mm512_load_ps(acc + 16 * r), v));
+    }
+}
+
+/* Returns 0, or -1 where it cannot run (not a K-quant tiled kind, N not a multiple of 32 or K of 256, no
+ * AMX-BF16, or the OS refused the tile state): the caller then dequantizes and uses quill_x3_gemm or BLAS.
+ * scratch: quill_kq_scratch_bytes(M, K, threads) bytes. */
+AMXBF int quill_kq_gemm(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                        const void *mins_d, const float *x, float *out, int M, int N, int K, int ldo, void *scratch,
+                        int threads) {
+    if (!(kind & KQ_FORMAT) || N % 32 || K % 256 || M < 1 || !quill_amx_bf16_hw() || !quill_amx_enable()) return -1;
+    threads = threads > 0 ? threads : 1;
+    const int MB = x3_blocks(M), KC = K / 32, MP = (MB + 1) / 2, NP = N / 32, G = K / 32, F = K / 256;
+    const int MR = MB * 16; /* x's group sums: (G, MR), zero for the padding tokens */
+    const uint16_t *sd = (const uint16_t *)scale_d, *md = (const uint16_t *)mins_d;
+    const int8_t *mn = (const int8_t *)mins; /* (N/16, G, 16) where present: only with 32-weight groups */
+    uint16_t *xp = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *xs = (float *)(xp + (long)MB * 16 * K * 3);
+    char *per_thread = (char *)(((uintptr_t)(xs + (long)G * MR) + 63) & ~(uintptr_t)63);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int mb = 0; mb < MB; mb++)
+            for (int kc = 0; kc < KC; kc++) {
+                split_x_tile(x, M, K, mb, kc, xp + ((long)mb * KC + kc) * 1536);
+                if (mins)
+                    for (int j = 0; j < 16; j++) {
+                        const int m = mb * 16 + j;
+                        xs[(long)kc * MR + m] = m < M ? _mm512_reduce_add_ps(_mm512_add_ps(
+                            _mm512_loadu_ps(x + (long)m * K + kc * 32), _mm512_loadu_ps(x + (long)m * K + kc * 32 + 16))) : 0.f;
+                    }
+            }
+        X3TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        _tile_loadconfig(&cfg);
+        uint16_t *wp = (uint16_t *)(per_thread + (long)omp_get_thread_num() * kq_thread_bytes(M));
+        float *sums = (float *)(wp + (long)X3_PAIRS * 32 * 256 * 2);
+        _Alignas(64) float ct[4][256];
+        float d[2][16], mv[2][16][8];
+#pragma omp for schedule(static)
+        for (int turn = 0; turn < (NP + X3_PAIRS - 1) / X3_PAIRS; turn++) {
+            const int p0 = turn * X3_PAIRS, pairs = NP - p0 < X3_PAIRS ? NP - p0 : X3_PAIRS;
+            for (int f = 0; f < F; f++) { /* superblock f: x's part of it (M x 256 x 6 bytes) stays in L2 for the pairs */
+                for (int r = 0; r < 2 * pairs; r++) /* 16-row half r of the turn's rows: 8 steps x 2 parts */
+                    quill_amx_kq_rows(kind, codes, scale, K, 2 * p0 + r, 4 * f, 4, wp + (long)r * 8 * 1024);
+                for (int g = 0; g < pairs; g++) {
+                    for (int h = 0; h < 2; h++) /* the superblock's factors and mins for the pair's two row blocks */
+                        for (int r = 0; r < 16; r++) {
+                            const long rb = 2L * (p0 + g) + h;
+                            d[h][r] = _cvtsh_ss(sd[(rb * F + f) * 16 + r]);
+                            if (mins)
+                                for (int e = 0; e < 8; e++)
+                                    mv[h][r][e] = _cvtsh_ss(md[(rb * F + f) * 16 + r]) * mn[(rb * G + 8 * f + e) * 16 + r];
+                        }
+                    for (int mb = 0; mb < MB; mb += 2) {
+                        const int mb1 = mb + 1 < MB ? mb + 1 : mb; /* an odd last block runs twice, kept once */
+                        const uint16_t *xa = xp + ((long)mb * KC + 8 * f) * 1536, *xb = xp + ((long)mb1 * KC + 8 * f) * 1536;
+                        const uint16_t *wa = wp + 2L * g * 8 * 1024, *wb = wa + 8 * 1024;
+                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                        KQ_STEP_FIRST;
+                        for (int s = 0; s < 8; s++, xa += 1536, xb += 1536, wa += 1024, wb += 1024) {
+                            if (s < 7) KQ_STEP(1536, 1024);
+                            else KQ_STEP(0, 0);
+                        }
+                        _tile_stored(0, ct[0], 64); _tile_stored(1, ct[1], 64);
+                        _tile_stored(2, ct[2], 64); _tile_stored(3, ct[3], 64);
+                        float *acc = sums + ((long)g * MP + mb / 2) * 1024;
+                        for (int t = 0; t < 4; t++)
+                            kq_add(acc + 256 * t, ct[t], d[t >> 1], mins ? (const float (*)[8])mv[t >> 1] : NULL,
+                                   xs + 8L * f * MR + ((t & 1) ? mb1 : mb) * 16, MR, f == 0);
+                        if (f == F - 1)
+                            for (int t = 0; t < 4; t++) {
+                                if ((t & 1) && mb1 == mb) continue;
+                                store_transposed(acc + 256 * t, out, ldo, ((t & 1) ? mb1 : mb) * 16, M,
+                                                 (p0 + g) * 32 + (t >> 1) * 16);
+                            }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
 #else /* no AMX-BF16 support in this compiler, or the AVX-512 emulation build without the tile unit */
 
 int quill_amx_bf16_hw(void) { return 0; }
 long quill_x3_scratch_bytes(int M, int K, int threads) { return 0; }
 int quill_x3_gemm(const float *x, const float *w, float *out, int M, int N, int K, int ldo, void *scratch,
+                  int threads) { return -1; }
+long quill_kq_scratch_bytes(int M, int K, int threads) { return 0; }
+int quill_kq_gemm(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                  const void *mins_d, const float *x, float *out, int M, int N, int K, int ldo, void *scratch,
                   int threads) { return -1; }
 
 #endif

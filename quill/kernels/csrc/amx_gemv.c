@@ -192,6 +192,45 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
         }
     }
 }
+
+/* Rows 16 rb .. 16 rb + 15 of a K-quant tiled weight (kind bit 2), 64-column chunks [c0, c0 + cn), as the
+ * prefill GEMM's (amx_gemm.c) A tiles: per 32 columns s (s = 0 .. 2 cn - 1), two 16 x 32 bf16 tiles, row
+ * j's 32 values in 64 bytes, at dst + (2 s + p) * 512, whose sum is code * (the group's int8 scale). That
+ * product is an integer of at most 13 significant bits (|code * scale| <= 4096 for every K-quant kind), so
+ * part 0, its top 16 bits as an fp32 (a bf16), and part 1, the rest, hold it exactly: the weight is
+ * (part 0 + part 1) * scale_d, the per-256 fp16 factor the GEMM applies (and the mins it adds) itself. */
+AVX512 void quill_amx_kq_rows(int kind, const void *codes, const void *scale, int K, int rb, int c0, int cn,
+                              uint16_t *dst) {
+    const int C = K / 64, G = scale_groups(kind, K), per = G / C; /* scale groups per chunk: 2, or q6's 4 */
+    const int8_t *sc = (const int8_t *)scale + (long)rb * G * 16;
+    _Alignas(64) uint8_t staged[1024];
+    for (int c = 0; c < cn; c++) {
+        const uint32_t *quads = (const uint32_t *)tile_codes(kind, codes, (long)rb * C + c0 + c, staged);
+        for (int j = 0; j < 16; j++) {
+            _Alignas(64) uint32_t row[16]; /* row j's 64 codes in column order */
+            for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
+            for (int h = 0; h < 2; h++) {
+                const __m256i b = _mm256_load_si256((const __m256i *)row + h);
+                const __m512i code = _mm512_cvtepi8_epi16(b); /* the unsigned kinds' codes are below 32 */
+                const long g = (long)(c0 + c) * per + h * per / 2; /* the group of codes 32 h .. */
+                const int lo = sc[g * 16 + j], hi = per == 4 ? sc[(g + 1) * 16 + j] : lo; /* q6: 16 each */
+                const __m512i s = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)lo)),
+                                                     _mm256_set1_epi16((short)hi), 1);
+                const __m512i w = _mm512_mullo_epi16(code, s);
+                uint16_t *o = dst + (long)(2 * (2 * c + h)) * 512 + j * 32;
+                for (int q = 0; q < 2; q++) { /* 16 products as fp32 -> the two parts' bf16 */
+                    const __m512i bits = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                        q ? _mm512_extracti64x4_epi64(w, 1) : _mm512_castsi512_si256(w))));
+                    const __m512i top = _mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u));
+                    const __m512 rest = _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(top));
+                    _mm256_store_si256((__m256i *)(o + 16 * q), _mm512_cvtepi32_epi16(_mm512_srli_epi32(top, 16)));
+                    _mm256_store_si256((__m256i *)(o + 512 + 16 * q),
+                                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rest), 16)));
+                }
+            }
+        }
+    }
+}
 #endif
 
 #if AMX_COMPILER && (!defined(QUILL_EMULATE_AVX512) || defined(QUILL_EMULATE_AMX))
@@ -421,6 +460,8 @@ void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *
 long quill_amx_scratch_bytes(int B, int K) { return 0; }
 void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                        const void *mins_d, float *out, int N, int K, int threads) { abort(); }
+void quill_amx_kq_rows(int kind, const void *codes, const void *scale, int K, int rb, int c0, int cn,
+                       uint16_t *dst) { abort(); }
 #endif
 
 #endif
