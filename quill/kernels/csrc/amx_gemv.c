@@ -353,15 +353,17 @@ AMX static inline __m512 combine(__m512 acc, const int32_t *r, int wide, const _
     return acc;
 }
 
-/* One product: C tile c = A tile a (digits at `src`) x B tile w (weights), copied out to `dst`.
- * Tile register numbers must be literals, hence a macro. */
-#define TILE_PRODUCT(c, a, w, kind, src, dst)                                  \
+/* One product: C tile c = A tile a (digits at `src`) x B tile w (weights). Tile register numbers must be
+ * literals, hence a macro. */
+#define TILE_PRODUCT(c, a, w, kind, src)                                       \
     do {                                                                       \
         _tile_zero(c);                                                         \
         _tile_loadd(a, (src), 64);                                             \
         if (SIGNED_CODES(kind)) _tile_dpbssd(c, a, w); else _tile_dpbsud(c, a, w); \
-        _tile_stored(c, (dst), 64);                                            \
     } while (0)
+
+/* C tile `c` (0 or 1) copied out to dst. */
+#define TILE_OUT(c, dst) do { if (c) _tile_stored(1, (dst), 64); else _tile_stored(0, (dst), 64); } while (0)
 
 AMX static inline void load_weight_tile(int kind, const void *codes, long tile, int p, uint8_t *staged) {
     const uint8_t *src = tile_codes(kind, codes, tile, staged);
@@ -417,16 +419,19 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         }
                         load_weight_tile(kind, codes, (long)rb * C + c, p, staged[p]);
                         const int8_t *ac = a + ((long)c * R + (long)rpi * b0) * 64;
+                        /* each product's C is copied out after the next product is issued, so the copy
+                         * (which waits for its product) does not hold back the next one */
                         for (int q = 0; q < tiles; q++, op++) {
                             const int8_t *src = ac + (long)q * 1024;
-                            int32_t *dst = ctile[p] + q * 256;
                             switch ((int)(op & 1) * 2 + p) {
-                            case 0: TILE_PRODUCT(0, 2, 4, kind, src, dst); break;
-                            case 1: TILE_PRODUCT(0, 2, 5, kind, src, dst); break;
-                            case 2: TILE_PRODUCT(1, 3, 4, kind, src, dst); break;
-                            default: TILE_PRODUCT(1, 3, 5, kind, src, dst); break;
+                            case 0: TILE_PRODUCT(0, 2, 4, kind, src); break;
+                            case 1: TILE_PRODUCT(0, 2, 5, kind, src); break;
+                            case 2: TILE_PRODUCT(1, 3, 4, kind, src); break;
+                            default: TILE_PRODUCT(1, 3, 5, kind, src); break;
                             }
+                            if (q > 0) TILE_OUT((op - 1) & 1, ctile[p] + (q - 1) * 256);
                         }
+                        TILE_OUT((op - 1) & 1, ctile[p] + (tiles - 1) * 256);
                     }
                     if (c > 0) { /* read out the previous chunk while this one multiplies */
                         const int pc = c - 1;
