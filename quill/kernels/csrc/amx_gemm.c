@@ -74,6 +74,15 @@ typedef struct {
 
 static inline int x3_blocks(int M) { return (M + 15) / 16; }
 
+/* All eight tiles 16 rows x 64 bytes (both GEMMs here), for the calling thread. */
+AMXBF static inline void x3_config_tiles(void) {
+    X3TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
 static inline long x3_thread_bytes(int M) {
     return (long)X3_PAIRS * 32 * X3_KB * 3 * 2 + (long)X3_PAIRS * ((x3_blocks(M) + 1) / 2) * 1024 * 4;
 }
@@ -151,11 +160,7 @@ AMXBF int quill_x3_gemm(const float *x, const float *w, float *out, int M, int N
         for (int mb = 0; mb < MB; mb++)
             for (int kc = 0; kc < KC; kc++) split_x_tile(x, M, K, mb, kc, xp + ((long)mb * KC + kc) * 1536);
         /* (the loop's barrier: every x tile is written before any product) */
-        X3TileConfig cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        _tile_loadconfig(&cfg);
+        x3_config_tiles();
         uint16_t *wp = (uint16_t *)(per_thread + (long)omp_get_thread_num() * x3_thread_bytes(M));
         float *spill = (float *)(wp + (long)X3_PAIRS * 32 * X3_KB * 3);
         _Alignas(64) float ct[4][256];
@@ -294,11 +299,7 @@ AMXBF int quill_kq_gemm(int kind, const void *codes, const void *scale, const vo
                             _mm512_loadu_ps(x + (long)m * K + kc * 32), _mm512_loadu_ps(x + (long)m * K + kc * 32 + 16))) : 0.f;
                     }
             }
-        X3TileConfig cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        _tile_loadconfig(&cfg);
+        x3_config_tiles();
         uint16_t *wp = (uint16_t *)(per_thread + (long)omp_get_thread_num() * kq_thread_bytes(M));
         float *sums = (float *)(wp + (long)X3_PAIRS * 32 * 256 * 2);
         _Alignas(64) float ct[4][256];
