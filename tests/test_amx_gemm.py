@@ -134,7 +134,7 @@ def _kq_weight(name: str, N: int, K: int, seed: int):
     qtype = gguf.GGMLQuantizationType[name]
     ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(N, K)).double()
     t = tile_weight(pack_gguf(qtype, (N, K), raw))
-    assert t is not None and t.native_kind & gemm.KQ_FORMAT
+    assert t is not None and t.scale_d is not None  # the file's K-quant scales: int8 per group, fp16 per 256
     return t, ref
 
 

@@ -16,8 +16,6 @@ import torch
 
 from quill.kernels import native, options
 
-KQ_FORMAT = 4  # amx_gemv.c's kind bit for K-quant scales (int8 per group, fp16 per 256 weights)
-
 MIN_ROWS = 17  # fewer rows than this are decode-sized: the GEMV kernels' or BLAS's work
 MAX_ROWS = 512  # rows per kernel call: its scratch (6 bytes per element of x) stays bounded for long prompts
 
@@ -56,7 +54,7 @@ def _kq_takes(w) -> bool:
     """Whether quill_kq_gemm reads this weight: a K-quant AMX-tiled weight of whole 32-row pairs."""
     from quill.kernels.tiled import TiledWeight
 
-    return isinstance(w, TiledWeight) and bool(w.native_kind & KQ_FORMAT) and w.rows % 32 == 0 and w.cols % 256 == 0
+    return isinstance(w, TiledWeight) and w.scale_d is not None and w.rows % 32 == 0 and w.cols % 256 == 0
 
 
 def matmul_quantized(x: torch.Tensor, weight, out: torch.Tensor, scratch=None) -> bool:
