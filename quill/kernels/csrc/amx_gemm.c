@@ -315,9 +315,8 @@ AMXBF int quill_kq_gemm(int kind, const void *codes, const void *scale, const vo
                         for (int r = 0; r < 16; r++) {
                             const long rb = 2L * (p0 + g) + h;
                             d[h][r] = _cvtsh_ss(sd[(rb * F + f) * 16 + r]);
-                            if (mins)
-                                for (int e = 0; e < 8; e++)
-                                    mv[h][r][e] = _cvtsh_ss(md[(rb * F + f) * 16 + r]) * mn[(rb * G + 8 * f + e) * 16 + r];
+                            const float dm = mins ? _cvtsh_ss(md[(rb * F + f) * 16 + r]) : 0.f;
+                            for (int e = 0; mins && e < 8; e++) mv[h][r][e] = dm * mn[(rb * G + 8 * f + e) * 16 + r];
                         }
                     for (int mb = 0; mb < MB; mb += 2) {
                         const int mb1 = mb + 1 < MB ? mb + 1 : mb; /* an odd last block runs twice, kept once */

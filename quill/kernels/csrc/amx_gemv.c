@@ -160,6 +160,12 @@ AVX512 static inline const uint8_t *tile_codes(int kind, const void *codes, long
     return staged;
 }
 
+/* Row j's 64 codes of a tile (as tile_codes gives it: dword 16 kk + j holds codes 4 kk .. 4 kk + 3) in
+ * column order. */
+static inline void tile_row(const uint32_t *quads, int j, uint32_t row[16]) {
+    for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
+}
+
 /* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. i = 16 * group + row in block. */
 static inline float group_value(const Scales *s, long i) {
     if (s->fmt == 2) return _cvtsh_ss(s->d[(i >> (4 + s->shift)) * 16 + (i & 15)]) * (float)((const int8_t *)s->v)[i];
@@ -175,10 +181,10 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
         _Alignas(64) uint8_t staged[1024];
         for (int c = 0; c < C; c++) {
             const int8_t *tile = (const int8_t *)tile_codes(kind, codes, (long)rb * C + c, staged);
-            const uint32_t *quads = (const uint32_t *)tile; /* dword 16 kk + j: row j's codes 4 kk .. 4 kk + 3 */
+            const uint32_t *quads = (const uint32_t *)tile;
             for (int j = 0; j < 16; j++) {
-                _Alignas(64) uint32_t row[16]; /* row j's 64 codes in column order */
-                for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
+                _Alignas(64) uint32_t row[16];
+                tile_row(quads, j, row);
                 float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
                 for (int u = 0; u < 4; u++) { /* 16 at a time: value = fmaf(code, scale, min) */
                     const long gi = ((long)rb * G + n * c + u * n / 4) * 16 + j; /* the group of codes 16u.. */
@@ -207,8 +213,8 @@ AVX512 void quill_amx_kq_rows(int kind, const void *codes, const void *scale, in
     for (int c = 0; c < cn; c++) {
         const uint32_t *quads = (const uint32_t *)tile_codes(kind, codes, (long)rb * C + c0 + c, staged);
         for (int j = 0; j < 16; j++) {
-            _Alignas(64) uint32_t row[16]; /* row j's 64 codes in column order */
-            for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
+            _Alignas(64) uint32_t row[16];
+            tile_row(quads, j, row);
             for (int h = 0; h < 2; h++) {
                 const __m256i b = _mm256_load_si256((const __m256i *)row + h);
                 const __m512i code = _mm512_cvtepi8_epi16(b); /* the unsigned kinds' codes are below 32 */
