@@ -17,7 +17,8 @@ Emulated (a transcription of quill_amx_gemv, which needs the tile unit):
     32 bytes), a_rows(B) rows per chunk, the last item's padding zeroed; group sums in fp32.
   - the tile product, by the instruction's definition: C[m][n] += sum_{k<16, r<4} A[m][4k+r] * B[k][4n+r]
     (signed x signed for q8, signed x unsigned for q4 after unpack_tile_q4's nibble split), in int64 with
-    a check that int32 holds every result; passes of 16 items, A tiles of 16 rows (6 or 12 when B <= 2).
+    a check that int32 holds every result; passes of 16 items, A tiles of 16 rows (6 or 12 when B <= 2). (Q6_K's own GEMV,
+    q6_levels_gemv, is checked against fp64 on the emulated tile unit in test_kernels.py.)
   - combine: C0 + 2^8 C1 (+ 2^16 C2 for q4) in int32, q8's top digit added in fp32, times fp32
     scale * 2^(e-22), accumulated in fp32; then mins times the group sums. FMAs are done in fp64 and
     rounded to fp32 (one extra rounding at most, far inside the bounds).

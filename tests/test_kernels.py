@@ -122,11 +122,35 @@ def test_tiled_kernel_matches_fp32_reference(qtype, batch):
     _, t, ref = tiled_pair(qtype, seed=batch)
     lin = PackedLinear(t, None, Workspace())
     x = torch.randn(batch, t.cols, generator=torch.Generator().manual_seed(1))
-    x[0, 5] = 300.0  # an outlier: the digit split is per 32-element group, so its neighbours keep precision
+    x[0, 5] = 300.0  # an outlier: the digit split is per 32-element group (Q6_K: per 256), which loses resolution
     expected = x.double() @ torch.from_numpy(ref).double().T
     got = lin(x, gemv_rows=batch).double()
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
     assert ((lin(x, gemv_rows=0).double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+@needs_amx
+@pytest.mark.parametrize("batch", [1, 3, 6, 16, 21])
+def test_q6_k_tiled_error_is_its_super_block_digits(batch):
+    """Q6_K's tiled GEMV (q6_levels_gemv) sums exact integers over each 256-column super-block, so its error is
+    the activations' digits (at most half a unit of 2^(e-22) per element, 2^(e-1) <= the super-block's largest
+    |x| < 2^e) plus a few fp32 roundings per super-block. A wrong byte, level or offset is far outside."""
+    _, t, ref = tiled_pair(Q.Q6_K, rows=32, seed=batch)  # 6 super-blocks of 256 columns
+    lin = PackedLinear(t, None, Workspace())
+    x = torch.randn(batch, t.cols, generator=torch.Generator().manual_seed(batch))
+    x[0, 300] = 1e3  # an outlier coarsens its super-block's digits only
+    x[-1, 512:768] = 0.0  # an all-zero super-block
+    x[batch // 2, 1024:1280] *= 1e-20  # and a tiny one
+    w = torch.from_numpy(ref).double()
+    xd = x.double()
+    exact = xd @ w.T
+    sb = xd.abs().view(batch, -1, 256).amax(-1)  # (batch, super-blocks)
+    unit = torch.where(sb > 0, torch.exp2(torch.floor(torch.log2(sb)) + 1 - 22), torch.zeros_like(sb))
+    digits = (unit / 2) @ w.abs().view(w.shape[0], -1, 256).sum(-1).T  # sum over blocks of half-unit * sum|w|
+    bound = digits + 2**-21 * (xd.abs() @ w.abs().T)
+    got = lin(x, gemv_rows=batch).double()
+    assert ((got - exact).abs() <= bound).all()
+    assert ((got - exact).abs() / (xd.abs() @ w.abs().T)).max() > 0  # (the bound is not met by luck of zeros)
 
 
 @needs_amx

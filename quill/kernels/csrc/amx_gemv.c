@@ -18,8 +18,8 @@
  * exact (Q4_K: d * sc and -dmin * m; IQ4_XS: d * (ls - 32)), and the layout as small as the file's.
  * value = scale * code + min, exactly GGUF's values (code * scale is exact in fp32 for every type).
  * kind: bit 0 = q8 (else q4), bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bit 3 = iq4 codes,
- * bit 4 = q6 codes (with 16-weight groups: an item's A rows are 4 quarters x 3 digits, quarter u's
- * digits in bytes [16u, 16u + 16) of its rows), bit 5 = q5 codes.
+ * bit 4 = q6 codes (16-weight groups: these take a GEMV of their own, q6_levels_gemv below, which puts
+ * the scales into the weights' bytes), bit 5 = q5 codes.
  *
  * Activations become three signed bytes per element. Per item and 32-element group, with
  * 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(22-e)) is an integer with |v| <= 2^22 (an error of
@@ -27,7 +27,7 @@
  * size of fp32's own rounding in the sum), and v = d0 + 2^8 d1 + 2^16 d2 with balanced digits
  * d0, d1 in [-128, 127] and d2 in [-64, 64]. The tile unit computes every digit's dot product
  * with the codes exactly in int32; the digits are recombined (in int32 where that is exact) and
- * scaled in fp32.
+ * scaled in fp32. (q6 takes its digits per 256-element super-block instead: q6_levels_gemv.)
  *
  * "A" tile rows per item are (half h, digit p) -> row 6 item + 3h + p, 64 bytes: the digits of
  * group 2c + h in bytes [32h, 32h + 32), zero elsewhere, so one tile product keeps the two
@@ -57,8 +57,7 @@
 #else
 #define AMX_COMPILER 0
 #endif
-#define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits (q6: 12, 4 quarters x 3 digits) */
-#define MAX_ROWS_PER_ITEM 12
+#define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
 #define KIND_Q8 1
 #define KIND_F16 2
 #define KIND_KSCALES 4
@@ -67,7 +66,6 @@
 #define KIND_Q5 32
 #define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6)) /* signed bytes */
 #define WIDE_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6 | KIND_Q5)) /* the top digit joins in fp32 */
-static inline int rows_per_item(int kind) { return kind & KIND_Q6 ? MAX_ROWS_PER_ITEM : ROWS_PER_ITEM; }
 static inline int scale_groups(int kind, int K) { return kind & KIND_Q6 ? K / 16 : K / 32; } /* per row */
 /* Bytes of one stored tile: q4 and iq4 pack a 1024-byte tile into 512, q5 into 640, q6 into 768. */
 static inline long tile_bytes(int kind) { return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : 512; }
@@ -86,13 +84,19 @@ static inline Scales scales_of(int kind, const void *v, const void *d) {
 }
 
 #if AMX_COMPILER || defined(QUILL_EMULATE_AVX512)
-/* A tile rows: item b, half h, digit p -> row 6b + 3h + p (q6: item b, quarter u -> 12b + 3u + p), packed
- * 16 to a tile (m rows when they fit one). */
-static inline int a_rows(int B, int rpi) { return rpi * B <= 16 ? rpi * B : (rpi * B + 15) & ~15; }
+/* A tile rows: item b, half h, digit p -> row 6b + 3h + p, packed 16 to a tile (m rows when they fit one). */
+static inline int a_rows(int B) { return ROWS_PER_ITEM * B <= 16 ? ROWS_PER_ITEM * B : (ROWS_PER_ITEM * B + 15) & ~15; }
 
-/* Enough for either row count per item. */
+/* A rows of one parity per chunk in q6_levels_gemv: 4 per item (whole tiles of 4 items when they take
+ * more than one). */
+#define Q6_LEVELS 4
+static inline int q6_rows(int B) { return Q6_LEVELS * (B <= 4 ? B : (B + 3) & ~3); }
+
+/* Enough for quill_amx_gemv's layout and for q6_levels_gemv's. */
 long quill_amx_scratch_bytes(int B, int K) {
-    return (long)B * (K / 32) * 8 + (long)(K / 64) * a_rows(B, MAX_ROWS_PER_ITEM) * 64 + 128;
+    const long rows = (long)B * (K / 32) * 8 + (long)(K / 64) * a_rows(B) * 64;
+    const long levels = (long)B * (K / 256) * 20 + (long)(K / 64) * 2 * q6_rows(B) * 64;
+    return (rows > levels ? rows : levels) + 128;
 }
 
 /* The q4 tile of (rb, c) unpacked to 1024 bytes. */
@@ -247,7 +251,7 @@ AVX512 void quill_amx_kq_rows(int kind, const void *codes, const void *scale, in
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #endif
 #define ITEMS 16   /* items per pass over a row block */
-#define MAX_TILES (ITEMS * MAX_ROWS_PER_ITEM / 16) /* A tiles per pass */
+#define MAX_TILES (ITEMS * ROWS_PER_ITEM / 16) /* A tiles per pass */
 #define PREFETCH 4 /* weight tiles read ahead */
 
 typedef struct {
@@ -296,14 +300,13 @@ AMX static void config_tiles(int m) {
     _tile_loadconfig(&cfg);
 }
 
-/* Item b's chunk c of x (B, K) -> its rpi rows of digits in a (K/64, a_rows(B, rpi), 64) int8, the two
+/* Item b's chunk c of x (B, K) -> its 6 rows of digits in a (K/64, a_rows(B), 64) int8, the two
  * groups' 2^(e-22) in xscale (B, G) and sums in xs (B, G). Chunks are independent, so the threads
- * split them; the item's padding rows (past the last item) are zeroed with the last item's chunk.
- * rpi 12 (q6) puts each 16 elements in rows of their own (quarter u: rows 3u .. 3u + 2). */
-AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *a, float *xscale, float *xs, int rpi) {
-    const int G = K / 32, R = a_rows(B, rpi), quarters = rpi == MAX_ROWS_PER_ITEM;
-    int8_t *rows = a + ((long)c * R + rpi * b) * 64;
-    memset(rows, 0, (size_t)(b == B - 1 ? R - rpi * b : rpi) * 64);
+ * split them; the item's padding rows (past the last item) are zeroed with the last item's chunk. */
+AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *a, float *xscale, float *xs) {
+    const int G = K / 32, R = a_rows(B);
+    int8_t *rows = a + ((long)c * R + ROWS_PER_ITEM * b) * 64;
+    memset(rows, 0, (size_t)(b == B - 1 ? R - ROWS_PER_ITEM * b : ROWS_PER_ITEM) * 64);
     for (int h = 0; h < 2; h++) {
         const int g = 2 * c + h;
         const float *p = x + (long)b * K + (long)g * 32;
@@ -318,7 +321,7 @@ AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *
         xscale[(long)b * G + g] = ldexpf(1.f, e - 22);
         const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
         __m512i i0 = _mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), i1 = _mm512_cvtps_epi32(_mm512_scalef_ps(v1, up));
-        int8_t *row = rows + (quarters ? 6 : 3) * h * 64 + h * 32, *row1 = row + (quarters ? 3 * 64 : 0) + 16;
+        int8_t *row = rows + 3 * h * 64 + h * 32, *row1 = row + 16;
         for (int d = 0; d < 3; d++, row += 64, row1 += 64) { /* balanced digits; the last is in [-64, 64] */
             __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, 24), 24);
             __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, 24), 24);
@@ -344,17 +347,16 @@ AMX static inline __m512 load_group(const Scales *s, long group) {
 static inline long group_bytes(const Scales *s) { return s->fmt == 2 ? 16 : s->fmt ? 32 : 64; }
 
 /* acc += one item's digits recombined (its rows of the C tiles' copy, 3 per group) times each of the
- * chunk's n groups' scales (2 halves; q6: 4 quarters) and its 32-group's xscale (the first half of the
- * groups have the chunk's first). q4: |C| <= 32 * 128 * 15 per digit (the top digit's 64 halves that),
- * so C0 + 2^8 C1 + 2^16 C2 is exact in int32; the wide codes (q8's and iq4's 8x wider, q5's 2x, q6's
- * 16 weights of 6 bits) add their top digit in fp32. */
-AMX static inline __m512 combine(__m512 acc, const int32_t *r, int wide, const __m512 *s, int n, float xs0, float xs1) {
-    for (int u = 0; u < n; u++, r += 48) {
+ * chunk's two groups' scales and xscales. q4: |C| <= 32 * 128 * 15 per digit (the top digit's 64 halves
+ * that), so C0 + 2^8 C1 + 2^16 C2 is exact in int32; the wide codes (q8's and iq4's 8x wider, q5's 2x)
+ * add their top digit in fp32. */
+AMX static inline __m512 combine(__m512 acc, const int32_t *r, int wide, const __m512 *s, const float *xsc) {
+    for (int u = 0; u < 2; u++, r += 48) {
         const __m512i c2 = _mm512_load_si512(r + 32);
         const __m512i lo = _mm512_add_epi32(_mm512_load_si512(r), _mm512_slli_epi32(_mm512_load_si512(r + 16), 8));
         const __m512 f = wide ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_set1_ps(65536.f), _mm512_cvtepi32_ps(lo))
                               : _mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32(c2, 16)));
-        acc = _mm512_fmadd_ps(f, _mm512_mul_ps(s[u], _mm512_set1_ps(2 * u < n ? xs0 : xs1)), acc);
+        acc = _mm512_fmadd_ps(f, _mm512_mul_ps(s[u], _mm512_set1_ps(xsc[u])), acc);
     }
     return acc;
 }
@@ -376,6 +378,193 @@ AMX static inline void load_weight_tile(int kind, const void *codes, long tile, 
     if (p) _tile_loadd(5, src, 64); else _tile_loadd(4, src, 64);
 }
 
+/* ---- Q6_K by levels. Q6_K's scales are per 16 weights, so an exact integer sum over a chunk's 64 columns
+ * would have to keep its four quarters apart (12 A rows per item, 12 C rows read out per 64 columns). Here
+ * the scale goes into the weight instead: W = sc * (q - 32), an integer with |W| <= 4096, made
+ * non-negative, W + 4096 in [32, 8192], is two unsigned bytes 256 hi + lo (hi <= 32), so one integer sum
+ * runs over a whole super-block (256 columns), whose fp16 factor d then scales it once. The activations'
+ * digits are taken per super-block (2^(e-1) <= its max|x| < 2^e, v = round(x * 2^(22-e)) = d0 + 2^8 d1 +
+ * 2^16 d2, balanced as in split_chunk), and the sums of equal weight ("levels") share C rows:
+ *   L0 = d0.lo,  L1 = d0.hi + d1.lo,  L2 = d1.hi + d2.lo,  L3 = d2.hi,
+ *   v.(W + 4096) = L0 + 2^8 L1 + 2^16 L2 + 2^24 L3,
+ * and 4096 v.1 = 2^8 (16 sum d0) + 2^16 (16 sum d1) + 2^24 (16 sum d2) comes off levels 1-3 in int32.
+ * A 16-bit lane of vpmaddubsw's q * sc holds a column's W + 4096 as the tile wants it, lo then hi, for the
+ * columns 4kk + 0 and 4kk + 2 of a row's dword (the "even" tile) or 4kk + 1 and 4kk + 3 (the "odd" one).
+ * So an item's A rows are, per level L and tile, the bytes d_L, d_(L-1) of those columns in turn (d_-1 =
+ * d_3 = 0): 4 even rows, then (after every item's) 4 odd rows. |L| <= 256 * 128 * (255 + 32): int32.
+ * An item's levels are exact integers whatever tile row they sit in, and each super-block adds
+ * (L0 + 2^8 L1 + 2^16 (L2 + 2^8 L3)) * (d * 2^(e-22)) to the item's sum in fp32, in order: batch-invariant. */
+
+/* Item b's super-block s of x -> its A rows in chunks 4s .. 4s + 3 (even rows 4b .., odd rows E + 4b ..),
+ * its 2^(e-22) in xscale (B, K/256) and 16 * its digits' sums in dsum (B, K/256, 4). */
+AMX static void split_super(const float *x, int B, int b, int s, int K, int8_t *a, float *xscale, int32_t *dsum) {
+    const int E = q6_rows(B), S = K / 256;
+    const float *p = x + (long)b * K + 256L * s;
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int i = 0; i < 256; i += 16) {
+        const __m512 v = _mm512_loadu_ps(p + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    float *xsc = xscale + (long)b * S + s;
+    int e = 0;
+    if (nan || isinf(m)) *xsc = NAN; /* the output is NaN, as in fp32 */
+    else if (!(m > 0.f)) *xsc = 0.f;
+    else frexpf(m, &e), *xsc = ldexpf(1.f, e - 22);
+    const int live = *xsc == *xsc && *xsc != 0.f; /* else every digit is zero */
+    const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
+    __m512i sum[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    const __m512i lowb = _mm512_set1_epi16(0x00ff);
+    for (int cc = 0; cc < 4; cc++) {
+        _Alignas(64) int8_t dg[4][64]; /* digit p of the chunk's 64 columns; dg[3] = 0 */
+        for (int i = 0; i < 64; i += 16) {
+            __m512i v = live ? _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_loadu_ps(p + 64 * cc + i), up)) : _mm512_setzero_si512();
+            for (int d = 0; d < 3; d++) { /* balanced digits; the last is in [-64, 64] */
+                const __m512i t = d == 2 ? v : _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
+                _mm_store_si128((__m128i *)(dg[d] + i), _mm512_cvtepi32_epi8(t));
+                sum[d] = _mm512_add_epi32(sum[d], t);
+                v = _mm512_srai_epi32(_mm512_sub_epi32(v, t), 8);
+            }
+        }
+        memset(dg[3], 0, 64);
+        int8_t *rows = a + ((long)(4 * s + cc) * 2 * E + Q6_LEVELS * b) * 64;
+        for (int L = 0; L < Q6_LEVELS; L++) {
+            const __m512i cur = _mm512_load_si512(dg[L]), prev = L ? _mm512_load_si512(dg[L - 1]) : _mm512_setzero_si512();
+            /* even: (d_L, d_L-1) of columns 2m; odd: of columns 2m + 1 */
+            _mm512_store_si512(rows + 64 * L, _mm512_ternarylogic_epi32(cur, _mm512_slli_epi16(prev, 8), lowb, 0xE4));
+            _mm512_store_si512(rows + 64 * (E + L), _mm512_ternarylogic_epi32(_mm512_srli_epi16(cur, 8), prev, lowb, 0xE4));
+        }
+    }
+    int32_t *ds = dsum + ((long)b * S + s) * 4;
+    for (int d = 0; d < 3; d++) { /* (SIMDe has no _mm512_reduce_add_epi32) */
+        _Alignas(64) int32_t lane[16];
+        _mm512_store_si512(lane, sum[d]);
+        int32_t t = 0;
+        for (int i = 0; i < 16; i++) t += lane[i];
+        ds[d] = 16 * t;
+    }
+    ds[3] = 0;
+}
+
+/* The q6 tile of (rb, c) (its layout as unpack_tile_q6 reads it) and its 16 rows' four quarter scales
+ * (sc: 4 x 16 int8) -> W + 4096 = sc * (q - 32) + 4096 as the even and odd tiles (1024 bytes each, the
+ * tile unit's order, each dword two columns' lo, hi). Tile line kk (64 bytes: the rows' dwords of
+ * columns 4kk .. 4kk + 3) lies in quarter kk / 4, whose scale each row's dword takes. */
+AMX static inline void unpack_q6_levels(const uint8_t *src, const int8_t *sc, uint8_t *ev, uint8_t *od) {
+    const __m512i m = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+    for (int u = 0; u < 4; u++) { /* quarter u: tile bytes 256 u .. 256 u + 255 */
+        const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * u))); /* dword j: row j */
+        const __m512i s8 = _mm512_and_si512(s32, _mm512_set1_epi32(0xff));
+        const __m512i se = _mm512_or_si512(s8, _mm512_slli_epi32(s8, 16)), so = _mm512_slli_epi16(se, 8); /* sc, 0, sc, 0 */
+        const __m512i off = _mm512_sub_epi16(_mm512_set1_epi16(4096), _mm512_slli_epi16(_mm512_srai_epi16(so, 8), 5));
+        for (int i = 0; i < 256; i += 64) {
+            const __m512i v = _mm512_loadu_si512(src + (256 * u + i) % 512), h = _mm512_loadu_si512(src + 512 + i);
+            const __m512i low = u < 2 ? _mm512_and_si512(v, m) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+            const __m512i top = u < 2 ? _mm512_slli_epi16(h, 4 - 2 * u) : _mm512_srli_epi16(h, 2 * u - 4);
+            const __m512i q = _mm512_ternarylogic_epi32(low, top, hi2, 0xF8); /* low | (top & 0x30): codes 0..63 */
+            _mm512_store_si512(ev + 256 * u + i, _mm512_add_epi16(_mm512_maddubs_epi16(q, se), off));
+            _mm512_store_si512(od + 256 * u + i, _mm512_add_epi16(_mm512_maddubs_epi16(q, so), off));
+        }
+    }
+}
+
+/* C tile q (or, with h != q, the odd products into their own tile h) += the even and odd products of
+ * A tiles at src and src + E rows; tile numbers must be literals. */
+#define Q6_PRODUCTS(q, h, src, E)                                                               \
+    do {                                                                                        \
+        _tile_loadd(6, (src), 64);                                                              \
+        _tile_loadd(7, (src) + 64L * (E), 64);                                                  \
+        _tile_dpbsud(q, 6, 4);                                                                  \
+        _tile_dpbsud(h, 7, 5);                                                                  \
+    } while (0)
+
+AMX static void q6_levels_gemv(const void *codes, const void *scale, const void *scale_d, const float *x, float *out,
+                               int N, int K, int B, int ld, void *scratch, int threads) {
+    const int C = K / 64, S = K / 256, G16 = K / 16, RB = N / 16, E = q6_rows(B);
+    float *xscale = (float *)scratch;
+    int32_t *dsum = (int32_t *)(xscale + (long)B * S);
+    int8_t *a = (int8_t *)(((uintptr_t)(dsum + (long)B * S * 4) + 63) & ~(uintptr_t)63);
+    const int8_t *sc8 = (const int8_t *)scale;
+    const uint16_t *dv = (const uint16_t *)scale_d;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int b = 0; b < B; b++)
+            for (int s = 0; s < S; s++) split_super(x, B, b, s, K, a, xscale, dsum);
+        { /* C in tmm0-3 (m rows), the even and odd weight tiles in tmm4 / 5, A in tmm6 / 7 (m rows) */
+            TileConfig cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            const int m = E < 16 ? E : 16;
+            for (int t = 0; t < 8; t++) { cfg.rows[t] = t == 4 || t == 5 ? 16 : m; cfg.colsb[t] = 64; }
+            _tile_loadconfig(&cfg);
+        }
+        _Alignas(64) uint8_t staged[2][2][1024];
+        _Alignas(64) int32_t ctile[2][4 * 256];
+#pragma omp for schedule(static)
+        for (int rb = 0; rb < RB; rb++) {
+            const uint8_t *blk = (const uint8_t *)codes + (long)rb * C * 768;
+            const int8_t *scb = sc8 + (long)rb * G16 * 16;
+            for (int b0 = 0; b0 < B; b0 += ITEMS) {
+                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (nb + 3) / 4, two = tiles <= 2;
+                __m512 acc[ITEMS];
+                for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
+                /* each chunk's weight tiles are written one chunk ahead, so their tile loads do not wait on
+                 * the stores that made them */
+                unpack_q6_levels(blk, scb, staged[0][0], staged[0][1]);
+                for (int s = 0; s < S; s++) {
+                    _tile_zero(0);
+                    if (tiles > 1) _tile_zero(1);
+                    if (tiles > 2 || two) _tile_zero(2);
+                    if (tiles > 3 || (two && tiles > 1)) _tile_zero(3);
+                    for (int c = 4 * s; c < 4 * s + 4; c++) {
+                        _tile_loadd(4, staged[c & 1][0], 64);
+                        _tile_loadd(5, staged[c & 1][1], 64);
+                        const int8_t *ac = a + ((long)c * 2 * E + Q6_LEVELS * b0) * 64;
+                        if (two) { /* the odd products into tiles of their own: two chains per C row */
+                            Q6_PRODUCTS(0, 2, ac, E);
+                            if (tiles > 1) Q6_PRODUCTS(1, 3, ac + 1024, E);
+                        } else {
+                            Q6_PRODUCTS(0, 0, ac, E);
+                            Q6_PRODUCTS(1, 1, ac + 1024, E);
+                            Q6_PRODUCTS(2, 2, ac + 2048, E);
+                            if (tiles > 3) Q6_PRODUCTS(3, 3, ac + 3072, E);
+                        }
+                        if (c + 1 < C) {
+                            const char *ahead = (const char *)blk + (c + 1 + PREFETCH) * 768L;
+                            for (long i = 0; i < 768; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+                            unpack_q6_levels(blk + (c + 1) * 768L, scb + (c + 1) * 64L, staged[(c + 1) & 1][0],
+                                             staged[(c + 1) & 1][1]);
+                        }
+                    }
+                    _tile_stored(0, ctile[0], 64);
+                    if (tiles > 1) _tile_stored(1, ctile[0] + 256, 64);
+                    if (tiles > 2 || two) _tile_stored(2, two ? ctile[1] : ctile[0] + 512, 64);
+                    if (tiles > 3 || (two && tiles > 1)) _tile_stored(3, two ? ctile[1] + 256 : ctile[0] + 768, 64);
+                    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + ((long)rb * S + s) * 16)));
+                    for (int t = 0; t < nb; t++) {
+                        const int32_t *r = ctile[0] + 4 * t * 16, *r2 = ctile[1] + 4 * t * 16;
+                        const int32_t *ds = dsum + ((long)(b0 + t) * S + s) * 4;
+                        __m512i L[4];
+                        for (int l = 0; l < 4; l++) {
+                            L[l] = _mm512_load_si512(r + 16 * l);
+                            if (two) L[l] = _mm512_add_epi32(L[l], _mm512_load_si512(r2 + 16 * l));
+                            if (l) L[l] = _mm512_sub_epi32(L[l], _mm512_set1_epi32(ds[l - 1])); /* the 4096 offset */
+                        }
+                        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L[1]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(L[0]));
+                        const __m512i hi = _mm512_add_epi32(L[2], _mm512_slli_epi32(L[3], 8));
+                        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.f), lo);
+                        acc[t] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xscale[(long)(b0 + t) * S + s])), acc[t]);
+                    }
+                }
+                for (int t = 0; t < nb; t++) _mm512_storeu_ps(out + (long)(b0 + t) * ld + (long)rb * 16, acc[t]);
+            }
+        }
+    }
+}
+
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for a tiled weight (kind as above); mins may be NULL (all
  * zero); scale_d and mins_d are the K-quant factors (NULL without bit 2). scratch: at least
  * quill_amx_scratch_bytes(B, K) bytes. Items go through in passes of 16: 96 A rows, 6 tiles (q6: 192
@@ -384,8 +573,11 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
                         int threads) {
     if (!quill_amx_enable()) abort(); /* callers check first; this also requests the tile permission */
-    const int G = K / 32, C = K / 64, RB = N / 16, wide = WIDE_CODES(kind) != 0, rpi = rows_per_item(kind);
-    const int R = a_rows(B, rpi), Gs = scale_groups(kind, K), n = Gs / C; /* n: scale groups per chunk */
+    if (kind & KIND_Q6) {
+        q6_levels_gemv(codes, scale, scale_d, x, out, N, K, B, ld, scratch, threads);
+        return;
+    }
+    const int G = K / 32, C = K / 64, RB = N / 16, wide = WIDE_CODES(kind) != 0, R = a_rows(B);
     const Scales sv = scales_of(kind, scale, scale_d), mv = scales_of(kind, mins, mins_d);
     float *xs = (float *)scratch, *xscale = xs + (long)B * G;
     int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)B * G) + 63) & ~(uintptr_t)63);
@@ -393,16 +585,16 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
     {
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++)
-            for (int c = 0; c < C; c++) split_chunk(x, B, b, c, K, a, xscale, xs, rpi);
+            for (int c = 0; c < C; c++) split_chunk(x, B, b, c, K, a, xscale, xs);
         /* (the loop's barrier: every digit is written before any product) */
         config_tiles(R < 16 ? R : 16);
         _Alignas(64) uint8_t staged[2][1024];
         _Alignas(64) int32_t ctile[2][MAX_TILES * 16 * 16];
 #pragma omp for schedule(static)
         for (int rb = 0; rb < RB; rb++) {
-            const long g0 = (long)rb * G, gs0 = (long)rb * Gs; /* this block's first group in mins and scale */
+            const long g0 = (long)rb * G; /* this block's first group */
             for (int b0 = 0; b0 < B; b0 += ITEMS) {
-                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (rpi * nb + 15) / 16;
+                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (ROWS_PER_ITEM * nb + 15) / 16;
                 __m512 acc[ITEMS];
                 for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
                 long op = 0; /* products issued: alternates the tile sets */
@@ -414,8 +606,8 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         for (long i = 0; i < tile_bytes(kind); i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
                         if (c == 0 && b0 == 0 && rb + 1 < RB) { /* and the next block's scales and mins */
                             const long gbytes = group_bytes(&sv);
-                            for (long i = 0; i < (long)Gs * gbytes; i += 64) {
-                                _mm_prefetch((const char *)scale + (gs0 + Gs) * gbytes + i, _MM_HINT_T0);
+                            for (long i = 0; i < (long)G * gbytes; i += 64) {
+                                _mm_prefetch((const char *)scale + (g0 + G) * gbytes + i, _MM_HINT_T0);
                                 if (mins) _mm_prefetch((const char *)mins + (g0 + G) * gbytes + i, _MM_HINT_T0);
                             }
                             for (long i = 0; sv.d && i < (long)K / 256 * 32; i += 64) { /* the fp16 factors */
@@ -424,7 +616,7 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                             }
                         }
                         load_weight_tile(kind, codes, (long)rb * C + c, p, staged[p]);
-                        const int8_t *ac = a + ((long)c * R + (long)rpi * b0) * 64;
+                        const int8_t *ac = a + ((long)c * R + (long)ROWS_PER_ITEM * b0) * 64;
                         /* each product's C is copied out after the next product is issued, so the copy
                          * (which waits for its product) does not hold back the next one */
                         for (int q = 0; q < tiles; q++, op++) {
@@ -441,12 +633,10 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                     }
                     if (c > 0) { /* read out the previous chunk while this one multiplies */
                         const int pc = c - 1;
-                        __m512 s[4];
-                        for (int u = 0; u < n; u++) s[u] = load_group(&sv, gs0 + (long)n * pc + u);
-                        for (int t = 0; t < nb; t++) {
-                            const float *xsc = xscale + (long)(b0 + t) * G + 2 * pc;
-                            acc[t] = combine(acc[t], ctile[pc & 1] + t * rpi * 16, wide, s, n, xsc[0], xsc[1]);
-                        }
+                        const __m512 s[2] = {load_group(&sv, g0 + 2L * pc), load_group(&sv, g0 + 2L * pc + 1)};
+                        for (int t = 0; t < nb; t++)
+                            acc[t] = combine(acc[t], ctile[pc & 1] + t * ROWS_PER_ITEM * 16, wide, s,
+                                             xscale + (long)(b0 + t) * G + 2 * pc);
                     }
                 }
                 if (mins) /* each group's mins times the item's group sum, loaded once for all items */
