@@ -28,6 +28,7 @@
  */
 #include "isa.h"
 
+#include "amx_tiles.h"
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -35,13 +36,7 @@
 #define X3_KB 1024   /* K block */
 #define X3_PAIRS 4   /* 32-row pairs per thread's turn: its split weights are 4 x 32 x 1024 x 3 bf16 = 768 KiB */
 
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
-#define X3_COMPILER 1
-#else
-#define X3_COMPILER 0
-#endif
-
-#if X3_COMPILER && (!defined(QUILL_EMULATE_AVX512) || defined(QUILL_EMULATE_AMX))
+#if AMX_COMPILER && (!defined(QUILL_EMULATE_AVX512) || defined(QUILL_EMULATE_AMX))
 
 #ifdef QUILL_EMULATE_AMX
 #define AMXBF __attribute__((unused))
@@ -58,28 +53,19 @@ int quill_amx_bf16_hw(void) {
 #else
     static int cached = -1;
     if (cached < 0) {
-        unsigned a, b, c, d;
-        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        const unsigned d = cpuid7_edx();
         cached = ((d >> 22) & 1) && ((d >> 24) & 1) && __builtin_cpu_supports("avx512bw");
     }
     return cached;
 #endif
 }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) X3TileConfig;
-
 static inline int x3_blocks(int M) { return (M + 15) / 16; }
 
 /* All eight tiles 16 rows x 64 bytes (both GEMMs here), for the calling thread. */
 AMXBF static inline void x3_config_tiles(void) {
-    X3TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    const TileConfig cfg = tile_config(rows);
     _tile_loadconfig(&cfg);
 }
 
@@ -223,7 +209,6 @@ AMXBF int quill_x3_gemm(const float *x, const float *w, float *out, int M, int N
  * the superblock's factor, with the mins times x's group sums (summed once per token and group). So an
  * output is the fp32 sum over superblocks of scale_d times an fp32 dot product of exact integers with x:
  * its error is within a few fp32 roundings of sum |x| |w| (tests/test_amx_gemm.py). */
-#define KQ_FORMAT 4 /* amx_gemv.c's kind bit for the K-quant scales (int8 per group, fp16 per 256) */
 
 void quill_amx_kq_rows(int kind, const void *codes, const void *scale, int K, int rb, int c0, int cn, uint16_t *dst);
 
@@ -277,7 +262,7 @@ AMXBF static inline void kq_add(float *acc, const float *c, const float *d, cons
 AMXBF int quill_kq_gemm(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                         const void *mins_d, const float *x, float *out, int M, int N, int K, int ldo, void *scratch,
                         int threads) {
-    if (!(kind & KQ_FORMAT) || N % 32 || K % 256 || M < 1 || !quill_amx_bf16_hw() || !quill_amx_enable()) return -1;
+    if (!(kind & KIND_KSCALES) || N % 32 || K % 256 || M < 1 || !quill_amx_bf16_hw() || !quill_amx_enable()) return -1;
     threads = threads > 0 ? threads : 1;
     const int MB = x3_blocks(M), KC = K / 32, MP = (MB + 1) / 2, NP = N / 32, G = K / 32, F = K / 256;
     const int MR = MB * 16; /* x's group sums: (G, MR), zero for the padding tokens */

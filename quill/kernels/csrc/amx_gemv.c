@@ -41,6 +41,7 @@
 #define _GNU_SOURCE /* syscall() */
 #include "isa.h"
 
+#include "amx_tiles.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,22 +49,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-/* AMX intrinsics need GCC 11 or clang 12; an older compiler builds the stubs at the end, so
- * the other kernels still build and the loader keeps the packed layout. The AVX-512 emulation builds
- * (isa.h) build the layout's AVX-512 parts (the q4 unpack, the dequantization, the scratch size),
- * and the tile GEMV only where isa.h emulates the tile unit too (QUILL_EMULATE_AMX). */
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
-#define AMX_COMPILER 1
-#else
-#define AMX_COMPILER 0
-#endif
+/* Without AMX intrinsics (amx_tiles.h's AMX_COMPILER) the stubs at the end build, so the other kernels
+ * still build and the loader keeps the packed layout. The AVX-512 emulation builds (isa.h) build the
+ * layout's AVX-512 parts (the q4 unpack, the dequantization, the scratch size), and the tile GEMV only
+ * where isa.h emulates the tile unit too (QUILL_EMULATE_AMX). */
 #define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
-#define KIND_Q8 1
-#define KIND_F16 2
-#define KIND_KSCALES 4
-#define KIND_IQ4 8
-#define KIND_Q6 16
-#define KIND_Q5 32
 #define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6)) /* signed bytes */
 #define WIDE_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6 | KIND_Q5)) /* the top digit joins in fp32 */
 static inline int scale_groups(int kind, int K) { return kind & KIND_Q6 ? K / 16 : K / 32; } /* per row */
@@ -254,18 +244,11 @@ AVX512 void quill_amx_kq_rows(int kind, const void *codes, const void *scale, in
 #define MAX_TILES (ITEMS * ROWS_PER_ITEM / 16) /* A tiles per pass */
 #define PREFETCH 4 /* weight tiles read ahead */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileConfig;
-
 static int cpu_has_amx(void) {
 #ifdef QUILL_EMULATE_AMX
     return 1;
 #endif
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const unsigned d = cpuid7_edx();
     return ((d >> 24) & 1) && ((d >> 25) & 1) && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vbmi");
 }
@@ -293,10 +276,8 @@ int quill_amx_enable(void) {
 /* Two sets of tiles, used alternately so one product can run while the last is read out:
  * C in tmm0/1, A in tmm2/3 (m rows: 6 per item up to 16), B (weights) in tmm4/5. */
 AMX static void config_tiles(int m) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 6; t++) { cfg.rows[t] = t < 4 ? m : 16; cfg.colsb[t] = 64; }
+    const uint8_t rows[8] = {m, m, m, m, 16, 16, 0, 0};
+    const TileConfig cfg = tile_config(rows);
     _tile_loadconfig(&cfg);
 }
 
@@ -494,11 +475,8 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
         for (int b = 0; b < B; b++)
             for (int s = 0; s < S; s++) split_super(x, B, b, s, K, a, xscale, dsum);
         { /* C in tmm0-3 (m rows), the even and odd weight tiles in tmm4 / 5, A in tmm6 / 7 (m rows) */
-            TileConfig cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            const int m = E < 16 ? E : 16;
-            for (int t = 0; t < 8; t++) { cfg.rows[t] = t == 4 || t == 5 ? 16 : m; cfg.colsb[t] = 64; }
+            const uint8_t m = E < 16 ? E : 16, rows[8] = {m, m, m, m, 16, 16, m, m};
+            const TileConfig cfg = tile_config(rows);
             _tile_loadconfig(&cfg);
         }
         _Alignas(64) uint8_t staged[2][2][1024];

@@ -1,0 +1,48 @@
+/* What amx_gemv.c and amx_gemm.c share: whether the compiler has the AMX intrinsics, the kind bits of
+ * amx_gemv.c's tiled layout (amx_gemm.c's quill_kq_gemm reads that layout too), the tile configuration
+ * record, and the CPUID bits both probe. */
+#ifndef QUILL_AMX_TILES_H
+#define QUILL_AMX_TILES_H
+#include <stdint.h>
+#include <string.h>
+
+/* AMX intrinsics need GCC 11 or clang 12. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define AMX_COMPILER 1
+#else
+#define AMX_COMPILER 0
+#endif
+
+/* A tiled weight's kind (quill/kernels/tiled.py's native_kind): bit 0 = q8 codes (else q4), bit 1 = fp16
+ * scales and mins, bit 2 = K-quant scales (int8 per group, fp16 per 256), bit 3 = iq4 codes, bit 4 = q6
+ * codes, bit 5 = q5 codes. */
+#define KIND_Q8 1
+#define KIND_F16 2
+#define KIND_KSCALES 4
+#define KIND_IQ4 8
+#define KIND_Q6 16
+#define KIND_Q5 32
+
+/* LDTILECFG's 64-byte record (palette 1). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* Tile t: rows[t] rows of 64 bytes; the caller loads it (_tile_loadconfig needs its target attributes). */
+static inline TileConfig tile_config(const uint8_t rows[8]) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = rows[t], cfg.colsb[t] = rows[t] ? 64 : 0;
+    return cfg;
+}
+
+/* CPUID leaf 7, sub-leaf 0, EDX: AMX-BF16 is bit 22, AMX-TILE bit 24, AMX-INT8 bit 25. */
+static inline unsigned cpuid7_edx(void) {
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return d;
+}
+#endif
