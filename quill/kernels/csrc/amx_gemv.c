@@ -393,7 +393,10 @@ AMX static void split_super(const float *x, int B, int b, int s, int K, int8_t *
     int e = 0;
     if (nan || isinf(m)) *xsc = NAN; /* the output is NaN, as in fp32 */
     else if (!(m > 0.f)) *xsc = 0.f;
-    else frexpf(m, &e), *xsc = ldexpf(1.f, e - 22);
+    else {
+        frexpf(m, &e);
+        *xsc = ldexpf(1.f, e - 22);
+    }
     const int live = *xsc == *xsc && *xsc != 0.f; /* else every digit is zero */
     const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
     __m512i sum[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
@@ -545,8 +548,8 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for a tiled weight (kind as above); mins may be NULL (all
  * zero); scale_d and mins_d are the K-quant factors (NULL without bit 2). scratch: at least
- * quill_amx_scratch_bytes(B, K) bytes. Items go through in passes of 16: 96 A rows, 6 tiles (q6: 192
- * rows, 12 tiles), or one tile of fewer rows when they fit. */
+ * quill_amx_scratch_bytes(B, K) bytes. Items go through in passes of 16: 96 A rows, 6 tiles, or one
+ * tile of fewer rows when they fit. q6 weights go to q6_levels_gemv. */
 AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                         const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
                         int threads) {
