@@ -55,7 +55,7 @@
  * where isa.h emulates the tile unit too (QUILL_EMULATE_AMX). */
 #define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
 #define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6)) /* signed bytes */
-#define WIDE_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6 | KIND_Q5)) /* the top digit joins in fp32 */
+#define WIDE_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q5)) /* the top digit joins in fp32 (q6: its own GEMV) */
 static inline int scale_groups(int kind, int K) { return kind & KIND_Q6 ? K / 16 : K / 32; } /* per row */
 /* Bytes of one stored tile: q4 and iq4 pack a 1024-byte tile into 512, q5 into 640, q6 into 768. */
 static inline long tile_bytes(int kind) { return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : 512; }
@@ -281,6 +281,26 @@ AMX static void config_tiles(int m) {
     _tile_loadconfig(&cfg);
 }
 
+/* The digits' unit for a group of x (or q6's super-block) whose largest |x| is mx: 2^(e-22) with
+ * 2^(e-1) <= mx < 2^e, and e; NaN where a NaN or an infinity is in it (the output is then NaN, as in
+ * fp32), 0 when it is all zero (no digits). */
+static inline float digit_unit(float mx, int nan, int *e) {
+    *e = 0;
+    if (nan || isinf(mx)) return NAN;
+    if (!(mx > 0.f)) return 0.f;
+    frexpf(mx, e);
+    return ldexpf(1.f, *e - 22);
+}
+
+/* 16 integers |v| <= 2^22 -> balanced digits v = d[0] + 2^8 d[1] + 2^16 d[2], d[0] and d[1] in
+ * [-128, 127], d[2] in [-64, 64]. */
+AMX static inline void digits3(__m512i v, __m512i d[3]) {
+    for (int p = 0; p < 3; p++) {
+        d[p] = p == 2 ? v : _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
+        v = _mm512_srai_epi32(_mm512_sub_epi32(v, d[p]), 8);
+    }
+}
+
 /* Item b's chunk c of x (B, K) -> its 6 rows of digits in a (K/64, a_rows(B), 64) int8, the two
  * groups' 2^(e-22) in xscale (B, G) and sums in xs (B, G). Chunks are independent, so the threads
  * split them; the item's padding rows (past the last item) are zeroed with the last item's chunk. */
@@ -294,23 +314,18 @@ AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *
         __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
         xs[(long)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
         const __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q); /* a NaN in either half */
-        float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        if (nan || isinf(mx)) { xscale[(long)b * G + g] = NAN; continue; } /* the output is NaN, as in fp32 */
-        if (!(mx > 0.f)) { xscale[(long)b * G + g] = 0.f; continue; }
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         int e;
-        frexpf(mx, &e);
-        xscale[(long)b * G + g] = ldexpf(1.f, e - 22);
+        const float unit = xscale[(long)b * G + g] = digit_unit(mx, nan != 0, &e);
+        if (!(unit > 0.f)) continue; /* NaN or all zero: its digits stay zero */
         const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
-        __m512i i0 = _mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), i1 = _mm512_cvtps_epi32(_mm512_scalef_ps(v1, up));
+        __m512i d0[3], d1[3];
+        digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), d0);
+        digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v1, up)), d1);
         int8_t *row = rows + 3 * h * 64 + h * 32, *row1 = row + 16;
-        for (int d = 0; d < 3; d++, row += 64, row1 += 64) { /* balanced digits; the last is in [-64, 64] */
-            __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, 24), 24);
-            __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, 24), 24);
-            if (d == 2) { d0 = i0; d1 = i1; }
-            _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(d0));
-            _mm_storeu_si128((__m128i *)row1, _mm512_cvtepi32_epi8(d1));
-            i0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, d0), 8);
-            i1 = _mm512_srai_epi32(_mm512_sub_epi32(i1, d1), 8);
+        for (int d = 0; d < 3; d++, row += 64, row1 += 64) {
+            _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(d0[d]));
+            _mm_storeu_si128((__m128i *)row1, _mm512_cvtepi32_epi8(d1[d]));
         }
     }
 }
@@ -389,27 +404,19 @@ AMX static void split_super(const float *x, int B, int b, int s, int K, int8_t *
         mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
     }
     const float m = _mm512_reduce_max_ps(mx);
-    float *xsc = xscale + (long)b * S + s;
-    int e = 0;
-    if (nan || isinf(m)) *xsc = NAN; /* the output is NaN, as in fp32 */
-    else if (!(m > 0.f)) *xsc = 0.f;
-    else {
-        frexpf(m, &e);
-        *xsc = ldexpf(1.f, e - 22);
-    }
-    const int live = *xsc == *xsc && *xsc != 0.f; /* else every digit is zero */
+    int e;
+    const int live = (xscale[(long)b * S + s] = digit_unit(m, nan != 0, &e)) > 0.f; /* else every digit is zero */
     const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
     __m512i sum[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     const __m512i lowb = _mm512_set1_epi16(0x00ff);
     for (int cc = 0; cc < 4; cc++) {
         _Alignas(64) int8_t dg[4][64]; /* digit p of the chunk's 64 columns; dg[3] = 0 */
         for (int i = 0; i < 64; i += 16) {
-            __m512i v = live ? _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_loadu_ps(p + 64 * cc + i), up)) : _mm512_setzero_si512();
-            for (int d = 0; d < 3; d++) { /* balanced digits; the last is in [-64, 64] */
-                const __m512i t = d == 2 ? v : _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
-                _mm_store_si128((__m128i *)(dg[d] + i), _mm512_cvtepi32_epi8(t));
-                sum[d] = _mm512_add_epi32(sum[d], t);
-                v = _mm512_srai_epi32(_mm512_sub_epi32(v, t), 8);
+            __m512i t[3];
+            digits3(live ? _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_loadu_ps(p + 64 * cc + i), up)) : _mm512_setzero_si512(), t);
+            for (int d = 0; d < 3; d++) {
+                _mm_store_si128((__m128i *)(dg[d] + i), _mm512_cvtepi32_epi8(t[d]));
+                sum[d] = _mm512_add_epi32(sum[d], t[d]);
             }
         }
         memset(dg[3], 0, 64);
@@ -490,6 +497,7 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
             const int8_t *scb = sc8 + (long)rb * G16 * 16;
             for (int b0 = 0; b0 < B; b0 += ITEMS) {
                 const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (nb + 3) / 4, two = tiles <= 2;
+                const int use2 = tiles > 2 || two, use3 = tiles > 3 || (two && tiles > 1); /* C tiles 2, 3 in use */
                 __m512 acc[ITEMS];
                 for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
                 /* each chunk's weight tiles are written one chunk ahead, so their tile loads do not wait on
@@ -498,8 +506,8 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
                 for (int s = 0; s < S; s++) {
                     _tile_zero(0);
                     if (tiles > 1) _tile_zero(1);
-                    if (tiles > 2 || two) _tile_zero(2);
-                    if (tiles > 3 || (two && tiles > 1)) _tile_zero(3);
+                    if (use2) _tile_zero(2);
+                    if (use3) _tile_zero(3);
                     for (int c = 4 * s; c < 4 * s + 4; c++) {
                         _tile_loadd(4, staged[c & 1][0], 64);
                         _tile_loadd(5, staged[c & 1][1], 64);
@@ -522,8 +530,8 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
                     }
                     _tile_stored(0, ctile[0], 64);
                     if (tiles > 1) _tile_stored(1, ctile[0] + 256, 64);
-                    if (tiles > 2 || two) _tile_stored(2, two ? ctile[1] : ctile[0] + 512, 64);
-                    if (tiles > 3 || (two && tiles > 1)) _tile_stored(3, two ? ctile[1] + 256 : ctile[0] + 768, 64);
+                    if (use2) _tile_stored(2, two ? ctile[1] : ctile[0] + 512, 64);
+                    if (use3) _tile_stored(3, two ? ctile[1] + 256 : ctile[0] + 768, 64);
                     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + ((long)rb * S + s) * 16)));
                     for (int t = 0; t < nb; t++) {
                         const int32_t *r = ctile[0] + 4 * t * 16, *r2 = ctile[1] + 4 * t * 16;
