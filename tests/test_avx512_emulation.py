@@ -24,7 +24,7 @@ EMULATED = native.load(emulate="avx512-vnni") if NATIVE is not None else None
 NO_VNNI = native.load(emulate="avx512") if NATIVE is not None else None  # AVX-512 without VNNI (Skylake-SP)
 needs_emulation = pytest.mark.skipif(NATIVE is None, reason="native kernels need x86-64 AVX2/FMA and gcc")
 # one type per kernel family: quant_gemv.c's q4 and q8 rows, kquant.c's block rows, 32-groups and f16 rows;
-# and the kinds that take kquant_i8.c's VNNI tiles (with fp32 activations on the exact path)
+# and the kinds that take kquant_i8.c's VNNI tiles (with x's exact digits on the exact path)
 ROW_TYPES = [Q.Q4_0, Q.Q8_0, Q.Q5_1, Q.Q3_K, Q.Q2_K, Q.Q5_0, Q.IQ4_NL, Q.F16, Q.BF16]
 TILE_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
 TYPES = ROW_TYPES + TILE_TYPES
@@ -72,15 +72,17 @@ def test_emulated_512_rows_are_the_16_lane_code(qtype):
 @needs_emulation
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 def test_emulated_512_takes_the_vnni_tiles(qtype):
-    """The block kinds go to the VNNI tiles (quill_gemv_tiles_f32 takes the call: 0, not -1), exact and int8."""
+    """The block kinds go to the VNNI tiles (quill_gemv_tiles_exact takes the call: 0, not -1), exact and int8."""
     kind = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 4, Q.Q5_K: 5}[qtype]
     raw, (N, K) = random_tensor(qtype, 16, 1, seed=5)
     blocks = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).copy())
     x, xs, out = torch.randn(2, K), torch.zeros(2 * K // 16), torch.zeros(2, N)
+    digits = torch.zeros(NATIVE.quill_gemv_kq_scratch_bytes(2, K), dtype=torch.uint8)
     for lib, taken in ((EMULATED, 0), (NO_VNNI, -1)):
-        tiles = lib.quill_gemv_tiles_f32  # kind, blocks, x, xs, out, N, K, B, ld, threads -> 0, or -1 (not taken)
-        tiles.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
-        assert tiles(kind, blocks.data_ptr(), x.data_ptr(), xs.data_ptr(), out.data_ptr(), N, K, 2, N, 1) == taken
+        tiles = lib.quill_gemv_tiles_exact  # kind, blocks, x, xs, digits, out, N, K, B, ld, threads -> 0, or -1
+        tiles.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+        assert tiles(kind, blocks.data_ptr(), x.data_ptr(), xs.data_ptr(), digits.data_ptr(), out.data_ptr(),
+                     N, K, 2, N, 1) == taken
     for int8 in (False, True):
         wide, narrow = _outputs(EMULATED, qtype, 512, int8), _outputs(EMULATED, qtype, 256, int8)
         assert np.abs(wide - narrow).max() <= (1e-5 if not int8 else 1e-2) * np.abs(narrow).max()

@@ -8,8 +8,8 @@ test_kquant_i8.py checks it against the fp64 product):
   codes and per-lane scales that give back gguf-py's dequantized weights exactly;
 - the integer dots of those codes with broadcast activations, minus the format's offset, scaled per
   group as the kernel does, give the fp64 product of the weights with the rounded activations;
-- the exact path on the same tiles (fp32 activations): the codes as fp32 lanes, signed where the format's
-  weights are, give gguf-py's weights, and the kernel's float sequence gives the fp64 product.
+- the exact path on the same tiles: x as three int8 digits per element (csrc/digits.h), each plane's
+  integer dots recombined, give the fp64 product within the digits' rounding, as the kernel computes it.
 """
 
 from __future__ import annotations
@@ -216,78 +216,71 @@ def test_lane_dots_give_the_product(kind):
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 
-# ---- the exact path on the same tiles (quill_gemv_tiles_f32): fp32 codes, fp32 activations ----
+# ---- the exact path on the same tiles (quill_gemv_tiles_exact): x as three int8 digits per element ----
 
-def fp32_codes(kind: str, codes: np.ndarray) -> np.ndarray:
-    """The tile's codes (16, 256) as fp32 lanes, both ways the kernel makes them (asserted equal): lane r of
-    register j holds bytes 4j..4j+3 of row r, byte b becomes one fp32 lane.
-    - code_f32 (tiles): the offset taken off in bytes (Q6_K: vpsubb 32 wraps; IQ4_XS: vpxord 0x80), then
-      sign-extended (slli, srai), or zero-extended (Q4_K, Q5_K), and converted;
-    - fused_code_f32 (fused passes): a permute of a table by the lane's low bits after a shift, the rest of
-      the lane ignored -- Q4_K's nibbles (16 entries; its in-place high nibbles, registers j % 16 >= 8,
-      shifted 4 more into a table of 16 times the code), Q5_K's 5-bit codes (32 entries), IQ4_XS's table
-      on the 4-bit indices."""
-    u32 = np.uint32
-    regs = codes.astype(np.uint8)
-    if kind == "Q6_K":
-        regs = regs - np.uint8(32)
-    elif kind == "IQ4_XS":
-        regs = regs ^ np.uint8(0x80)
-    v = np.ascontiguousarray(regs).view(u32).reshape(16, 64)
-    out = np.empty((16, 64, 4), np.float32)
-    for b in range(4):
-        if kind in ("Q6_K", "IQ4_XS"):  # _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 b), 24)
-            out[..., b] = (v << u32(24 - 8 * b)).view(np.int32) >> 24
-        else:
-            out[..., b] = (v >> u32(8 * b)) & u32(M8)
-    out = out.reshape(16, 256)
-    table, high = np.arange(32, dtype=np.float32), np.repeat(np.arange(64) % 16 >= 8, 4)[None, :]
-    raw = np.ascontiguousarray(codes.astype(np.uint8)).view(u32).reshape(16, 64)
-    at = np.stack([raw >> u32(8 * b) for b in range(4)], -1).reshape(16, 256)  # byte b moved to bits 0-7
-    if kind == "Q4_K":  # _mm512_permutexvar_ps: index bits 0-3
-        fused = np.where(high, 16 * table[(at >> u32(4)) & u32(15)], table[at & u32(15)])
-    elif kind == "Q5_K":  # _mm512_permutex2var_ps: index bits 0-4
-        fused = table[at & u32(31)]
-    elif kind == "IQ4_XS":  # the table on the indices put_dword hands the fused pass
-        index = np.searchsorted(IQ4 + 128, codes)
-        assert ((IQ4 + 128)[index] == codes).all()
-        fused = IQ4[index].astype(np.float32)
-    else:
-        fused = out
-    np.testing.assert_array_equal(fused, out)
-    return out
+def digits_item(x: np.ndarray):
+    """One item's digits as split_digits makes them (csrc/digits.h): per 32 elements, unit = 2^(e-22) with
+    2^(e-1) <= max|x| < 2^e, v = x / unit rounded half to even (an exact power-of-two scaling, then
+    vcvtps2dq), and v = d0 + 2^8 d1 + 2^16 d2 with d0, d1 the low bytes taken as signed (balanced)."""
+    g = x.reshape(-1, 32).astype(np.float64)
+    e = np.frexp(np.abs(g).max(1))[1]  # max|x| = m 2^e, 1/2 <= m < 1
+    unit = np.ldexp(1.0, e - 22)
+    v = np.rint(g / unit[:, None]).astype(np.int64).reshape(-1)
+    d0 = (v + 128) % 256 - 128  # the low byte as a signed int8
+    d1 = ((v - d0) // 256 + 128) % 256 - 128
+    d2 = (v - d0 - 256 * d1) // 65536
+    assert np.abs(v).max() <= 2**22 and np.array_equal(d0 + 256 * d1 + 65536 * d2, v)
+    assert d0.min() >= -128 and d1.min() >= -128 and d0.max() <= 127 and d1.max() <= 127 and np.abs(d2).max() <= 64
+    return (d0, d1, d2), unit, v
+
+
+def vnni_library():
+    """The VNNI kernels: native where the CPU has AVX-512 VNNI, else isa.h's emulation of them."""
+    from quill.kernels import native, options
+    hw = options.hardware()
+    return native.load() if hw.avx512 and hw.vnni else native.load(emulate="avx512-vnni")
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
-def test_fp32_lanes_give_ggufs_weights_and_the_product(kind):
-    """The exact path's arithmetic on the emulated tile: the codes as fp32 lanes times the lane scales (minus
-    the mins) are gguf-py's weights bit for bit, and the kernel's sequence -- per 16-weight chunk a float32
-    dot of codes and x, per group (Q6_K: per chunk) the scale times the chunk dots' sum, then min times the
-    group's sum of x -- gives the fp64 product of those weights with x (x is never rounded)."""
+def test_digit_planes_give_the_exact_product(kind):
+    """The exact path's arithmetic on the emulated tile: each digit plane's integer dot with the unsigned codes,
+    starting from -offset times the plane's digit sum (vpdpbusd, four per lane), stays below 2^20, and
+    d0 + 2^8 d1 + 2^16 d2 of the three is the integer dot of the format's signed codes with round(x / unit).
+    Scaled by scale * unit per group (Q6_K: per 16), minus min * sum(x), it is the fp64 product of gguf's
+    weights with x to within half a unit per element (the digits' rounding, 2^-22 of the group's largest |x|)
+    and fp32 rounding; the kernel itself (natively or emulated) computes it."""
     K = 512
     raw = random_blocks(kind, 16, K, np.random.default_rng(8))
-    ref_w = quants.dequantize(raw, Q[kind]).reshape(16, K)
+    ref_w = quants.dequantize(raw, Q[kind]).reshape(16, K).astype(np.float64)
     x = np.random.default_rng(9).standard_normal(K).astype(np.float32)
     x[11] *= 40
-    size, got = BLOCK_BYTES[kind], np.zeros(16, np.float32)
-    f32 = np.float32
+    x[320:352] *= np.float32(1e-3)  # a group of small values: its own unit
+    planes, unit, v = digits_item(x)
+    size, got = BLOCK_BYTES[kind], np.zeros(16)
     for b in range(K // 256):
-        codes, sc, mn, _ = decode_block(kind, transposed_dwords(raw[:, b * size:(b + 1) * size]))
-        f = fp32_codes(kind, codes)
+        codes, sc, mn, offset = decode_block(kind, transposed_dwords(raw[:, b * size:(b + 1) * size]))
         per = 16 if kind == "Q6_K" else 32
-        w = sc[np.repeat(np.arange(256 // per), per)].T * f
-        if mn is not None:
-            w = w - mn[np.repeat(np.arange(8), 32)].T
-        np.testing.assert_array_equal(w, ref_w[:, 256 * b:256 * (b + 1)])
-        xb = x[256 * b:256 * (b + 1)]
-        dots = [(f[:, 16 * c:16 * (c + 1)] * xb[16 * c:16 * (c + 1)]).sum(1, dtype=f32) for c in range(16)]
         for u in range(256 // per):
-            dot = dots[u] if per == 16 else dots[2 * u] + dots[2 * u + 1]
-            got = (got + dot * sc[u]).astype(f32)
+            k = slice(256 * b + per * u, 256 * b + per * (u + 1))
+            c = codes[:, per * u:per * (u + 1)].astype(np.int64)
+            dots = [-offset * d[k].sum() + c @ d[k] for d in planes]
+            assert max(np.abs(d).max() for d in dots) < 2**20
+            combined = dots[0] + 256 * dots[1] + 65536 * dots[2]
+            np.testing.assert_array_equal(combined, (c - offset) @ v[k])
+            got += combined * sc[u].astype(np.float64) * unit[k.start // 32]
             if mn is not None:
-                got = (got - mn[u] * xb[32 * u:32 * (u + 1)].sum(dtype=f32)).astype(f32)
-    want = ref_w.astype(np.float64) @ x.astype(np.float64)
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+                got -= mn[u] * x[k].astype(np.float64).sum()
+    want = ref_w @ x.astype(np.float64)
+    rounding = np.abs(ref_w) @ np.repeat(unit / 2, 32)  # half a unit per element
+    assert (np.abs(got - want) <= rounding + 1e-6 * np.abs(want).max()).all()
+    lib = vnni_library()
+    blocks = np.ascontiguousarray(raw).view(np.uint8)
+    scratch = np.zeros(lib.quill_gemv_kq_scratch_bytes(1, K), np.uint8)
+    out = np.zeros(16, np.float32)
+    kind_id = {"Q4_K": 0, "Q6_K": 1, "IQ4_XS": 4, "Q5_K": 5}[kind]
+    lib.quill_gemv_kq(kind_id, blocks.ctypes.data, x.ctypes.data, scratch.ctypes.data, out.ctypes.data, 16, K, 1, 16,
+                      512, 1)
+    assert np.abs(out - got).max() <= 1e-6 * np.abs(got).max()
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q5_1"])

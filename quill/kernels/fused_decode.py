@@ -191,9 +191,9 @@ class FusedDecoder:
         return t
 
     def _scratch_floats(self, batch: int, widest: int) -> int:
-        """Group sums for the packed kernels, the tiled kernel's digits and scales, or int8 activations."""
-        return max(batch * (widest // 16 + 1), -(-self.lib.quill_amx_scratch_bytes(batch, widest) // 4),
-                   -(-self.lib.quill_act8_bytes(batch, widest) // 4))
+        """Group sums and digits for the block kernels, the tiled kernel's digits and scales, or int8 activations."""
+        return max(batch * (widest // 16 + 1), -(-self.lib.quill_gemv_kq_scratch_bytes(batch, widest) // 4),
+                   -(-self.lib.quill_amx_scratch_bytes(batch, widest) // 4), -(-self.lib.quill_act8_bytes(batch, widest) // 4))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                 ctx_lens: torch.Tensor, block_size: int, max_ctx: int | None = None,

@@ -49,8 +49,10 @@ class BlockWeight(GroupWeight):
         return self.cols // 32
 
     def scratch_bytes(self, batch: int) -> int:
-        """Scratch a GEMV of `batch` rows needs: sums of x per 16 weights (Q2_K's mins; the others use half)."""
-        return 4 * batch * (self.cols // 16)
+        """Scratch a GEMV of `batch` rows needs: sums of x per 16 weights (Q2_K's mins; the others use half),
+        then the VNNI tiles' digits of x."""
+        lib = native.load()
+        return 4 * batch * (self.cols // 16) if lib is None else lib.quill_gemv_kq_scratch_bytes(batch, self.cols)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.blocks]

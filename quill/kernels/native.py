@@ -17,7 +17,7 @@ logger = logging.getLogger("quill.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c", "kquant_i8.c", "kquant_i8_avx2.c", "amx_gemm.c")]
-HEADERS = [CSRC / "isa.h", CSRC / "simd.h", CSRC / "attend_kv.h", CSRC / "kformat.h", CSRC / "kquant_i8.h", CSRC / "amx_tiles.h"]
+HEADERS = [CSRC / "isa.h", CSRC / "simd.h", CSRC / "attend_kv.h", CSRC / "kformat.h", CSRC / "kquant_i8.h", CSRC / "amx_tiles.h", CSRC / "digits.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
 
@@ -132,6 +132,8 @@ def load(emulate: str | None = None) -> ctypes.CDLL | None:
     lib.quill_kq_gemm.restype = I
     lib.quill_gemv_kq.argtypes = [I, P, P, P, P, I, I, I, I, I, I]  # kind, blocks, x, xs, out, N, K, B, ld, isa, threads
     lib.quill_gemv_kq.restype = None
+    lib.quill_gemv_kq_scratch_bytes.argtypes = [I, I]
+    lib.quill_gemv_kq_scratch_bytes.restype = ctypes.c_long
     lib.quill_dequant_kq.argtypes = [I, P, P, I, I, I]
     lib.quill_dequant_kq.restype = None
     lib.quill_kq_row_bytes.argtypes = [I, I]

@@ -21,13 +21,11 @@
  * bit 4 = q6 codes (16-weight groups: these take a GEMV of their own, q6_levels_gemv below, which puts
  * the scales into the weights' bytes), bit 5 = q5 codes.
  *
- * Activations become three signed bytes per element. Per item and 32-element group, with
- * 2^(e-1) <= max|x| < 2^e, v = round(x * 2^(22-e)) is an integer with |v| <= 2^22 (an error of
- * at most 2^-22 max|x| per element: two units in the last place of the group's largest, the
- * size of fp32's own rounding in the sum), and v = d0 + 2^8 d1 + 2^16 d2 with balanced digits
- * d0, d1 in [-128, 127] and d2 in [-64, 64]. The tile unit computes every digit's dot product
- * with the codes exactly in int32; the digits are recombined (in int32 where that is exact) and
- * scaled in fp32. (q6 takes its digits per 256-element super-block instead: q6_levels_gemv.)
+ * Activations become three signed bytes per element (digits.h): per item and 32-element group, a
+ * unit 2^(e-22) from the group's largest |x| and balanced digits d0 + 2^8 d1 + 2^16 d2 of x / unit
+ * rounded. The tile unit computes every digit's dot product with the codes exactly in int32; the
+ * digits are recombined (in int32 where that is exact) and scaled in fp32. (q6 takes its digits per
+ * 256-element super-block instead: q6_levels_gemv.)
  *
  * "A" tile rows per item are (half h, digit p) -> row 6 item + 3h + p, 64 bytes: the digits of
  * group 2c + h in bytes [32h, 32h + 32), zero elsewhere, so one tile product keeps the two
@@ -42,6 +40,7 @@
 #include "isa.h"
 
 #include "amx_tiles.h"
+#include "digits.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -279,26 +278,6 @@ AMX static void config_tiles(int m) {
     const uint8_t rows[8] = {m, m, m, m, 16, 16, 0, 0};
     const TileConfig cfg = tile_config(rows);
     _tile_loadconfig(&cfg);
-}
-
-/* The digits' unit for a group of x (or q6's super-block) whose largest |x| is mx: 2^(e-22) with
- * 2^(e-1) <= mx < 2^e, and e; NaN where a NaN or an infinity is in it (the output is then NaN, as in
- * fp32), 0 when it is all zero (no digits). */
-static inline float digit_unit(float mx, int nan, int *e) {
-    *e = 0;
-    if (nan || isinf(mx)) return NAN;
-    if (!(mx > 0.f)) return 0.f;
-    frexpf(mx, e);
-    return ldexpf(1.f, *e - 22);
-}
-
-/* 16 integers |v| <= 2^22 -> balanced digits v = d[0] + 2^8 d[1] + 2^16 d[2], d[0] and d[1] in
- * [-128, 127], d[2] in [-64, 64]. */
-AMX static inline void digits3(__m512i v, __m512i d[3]) {
-    for (int p = 0; p < 3; p++) {
-        d[p] = p == 2 ? v : _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
-        v = _mm512_srai_epi32(_mm512_sub_epi32(v, d[p]), 8);
-    }
 }
 
 /* Item b's chunk c of x (B, K) -> its 6 rows of digits in a (K/64, a_rows(B), 64) int8, the two

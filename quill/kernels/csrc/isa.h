@@ -39,7 +39,8 @@
  * and stores touch no element outside the mask (SIMDe's read all 64 bytes, and its masked store
  * writes zeros to the unmasked lanes: past the end of a row's output); and, for amx_gemv.c, abs (the
  * sign bit cleared), scalef (SIMDe's exp2 overflows past 2^127: split_chunk scales by up to 2^171)
- * and the truncating int32 -> int8 narrowing SIMDe lacks. */
+ * and the truncating int32 -> int8 narrowing SIMDe lacks; and the int32 sum it lacks too (kquant_i8.c's
+ * digit sums). */
 static inline __m512i quill_emu_cvtepu8_epi32(__m128i a) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtepu8_epi32(a)),
                               _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(a, a)), 1);
@@ -95,7 +96,14 @@ static inline __m512i quill_emu_maskz_loadu_epi8(uint64_t k, const void *p) {
     for (int i = 0; i < 64; i++) v[i] = (k >> i) & 1 ? ((const int8_t *)p)[i] : 0;
     return _mm512_loadu_si512(v);
 }
+static inline int quill_emu_reduce_add_epi32(__m512i a) { /* integer sums: any order gives the same */
+    int32_t v[16], s = 0;
+    _mm512_storeu_si512(v, a);
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
 #define _mm512_cvtepu8_epi32(a) quill_emu_cvtepu8_epi32(a)
+#define _mm512_reduce_add_epi32(a) quill_emu_reduce_add_epi32(a)
 #define _mm512_cvtepi8_epi32(a) quill_emu_cvtepi8_epi32(a)
 #define _mm512_reduce_add_ps(a) quill_emu_reduce_add_ps(a)
 #undef _mm512_reduce_max_ps

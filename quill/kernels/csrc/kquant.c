@@ -15,7 +15,7 @@
  * Dequantization computes exactly those weights. The GEMV computes the same dot product
  * reassociated: per group sc * (codes . x) (Q6_K, Q2_K, Q3_K: per 16 weights), minus min * sum(x)
  * for Q4_K / Q5_K / Q2_K (the AVX-512 Q2_K / Q3_K rows scale each 16 weights once instead of the dot).
- * Activations stay fp32: nothing is rounded beyond the file's own quantization and fp32 sums.
+ * Activations stay fp32 here: nothing is rounded beyond the file's own quantization and fp32 sums.
  *
  * Batch invariance: each (row, item) accumulates groups in order in two accumulators, then one
  * horizontal sum, whatever B is or where the item sits. Tiles over B only share the decoded
@@ -23,9 +23,8 @@
  *
  * (On CPUs with AMX, unless QUILL_NO_AMX turns it off, those four load as AMX tiles, tiled.py, and run amx_gemv.c.)
  * On AVX-512 CPUs with VNNI (isa 512), Q4_K, Q5_K, Q6_K and IQ4_XS take kquant_i8.c's tiles instead, at
- * every batch (quill_gemv_tiles_f32: 16 rows decoded at once, each code register reused by every item;
- * x stays fp32): in an interleaved benchmark 0.74-1.01x the rows' time at batch 1, about 0.5x from
- * batch 4 up. With isa 256 (AVX2) the same kinds take kquant_i8_avx2.c's 8-row tiles
+ * every batch (quill_gemv_tiles_exact: 16 rows decoded at once, each code register reused by every item;
+ * x as three int8 digits per element, digits.h, recombined in fp32 with no rounding beyond fp32's own). With isa 256 (AVX2) the same kinds take kquant_i8_avx2.c's 8-row tiles
  * (quill_gemv_tiles_f32_avx2): 0.75-0.85x the rows' time at batch 1, 0.68-0.73x at batch 16 (before
  * that file's passes over two tiles, which took another 0.81-0.89x at batch 16 on a Zen 1). The rows
  * below serve the other kinds, and AVX-512 without VNNI.
@@ -47,7 +46,8 @@
     ((kind) == 0 ? Q4K_BYTES : (kind) == 5 ? Q5K_BYTES : (kind) == 8 ? Q2K_BYTES : (kind) == 9 ? Q3K_BYTES : Q6K_BYTES)
 
 int quill_isa_used(int isa);
-int quill_gemv_tiles_f32(int, const uint8_t *, const float *, float *, float *, int, int, int, int, int);
+int quill_gemv_tiles_exact(int, const uint8_t *, const float *, const float *, uint8_t *, float *, int, int, int, int, int);
+long quill_digits_bytes(int B, int K);
 int quill_gemv_tiles_f32_avx2(int, const uint8_t *, const float *, const float *, float *, int, int, int, int, int);
 
 
@@ -514,10 +514,15 @@ long quill_kq_row_bytes(int kind, int K) {
     }
 }
 
+/* Scratch bytes quill_gemv_kq needs for B items of K inputs: the sums of x (B * K / 16 floats), then the
+ * VNNI tiles' digits of x. */
+long quill_gemv_kq_scratch_bytes(int B, int K) { return 4L * B * (K / 16) + quill_digits_bytes(B, K); }
+
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
  * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS, 5 = Q5_K, 6 = F16, 7 = BF16, 8 = Q2_K, 9 = Q3_K);
  * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
- * xs: scratch of B * K / 16 floats (the sums of x the mins need: per 32 weights, Q2_K per 16).
+ * xs: scratch of quill_gemv_kq_scratch_bytes(B, K) (the sums of x the mins need: per 32 weights, Q2_K per
+ * 16; and the VNNI tiles' digits).
  * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: this call's OpenMP team. */
 void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                    int isa, int threads) {
@@ -528,7 +533,7 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
         kq_group_sums(x, xs, B, K, 16);
     else if (HAS_MIN(kind))
         kq_group_sums(x, xs, B, K, 32);
-    if (wide && quill_gemv_tiles_f32(kind, blocks, x, xs, out, N, K, B, ld, threads) == 0)
+    if (wide && quill_gemv_tiles_exact(kind, blocks, x, xs, (uint8_t *)(xs + (long)B * (K / 16)), out, N, K, B, ld, threads) == 0)
         return; /* VNNI CPUs: the tiles of kquant_i8.c for the kinds they take */
     if (!wide && quill_gemv_tiles_f32_avx2(kind, blocks, x, xs, out, N, K, B, ld, threads) == 0)
         return; /* AVX2: kquant_i8_avx2.c's 8-row tiles for the same kinds */

@@ -3,9 +3,10 @@
  * so four weights times four activations are one lane of an integer dot-product instruction
  * (AVX-512 VNNI vpdpbusd; without VNNI, kquant_i8_avx2.c: vpmaddubsw and vpmaddwd) instead of
  * four fp32 FMAs. This is the one place where quill rounds anything beyond the file's own
- * quantization; the exact fp32 kernels stay the default. On VNNI CPUs the exact path of the block
- * kinds runs on the same tiles with fp32 activations (quill_gemv_tiles_f32, at the end of the VNNI
- * part): the decode is shared, the dots are FMAs, and nothing is rounded there.
+ * quantization; the exact kernels stay the default. On VNNI CPUs the exact path of the block kinds
+ * runs on the same tiles (quill_gemv_tiles_exact, at the end of the VNNI part) with x as three int8
+ * digits per element (digits.h: no rounding beyond fp32's own): the decode is shared, each digit plane
+ * takes the same integer dots, and the three are recombined in fp32.
  *
  * Activations (quill_act8_quantize): for each item and each group g of 32 inputs,
  *   dx[g] = max|x| / 127,  q = round-to-nearest-even(x * (1 / dx[g])) in -127..127,
@@ -29,6 +30,7 @@
  */
 #include "isa.h"
 
+#include "digits.h"
 #include "kquant_i8.h"
 #include "simd.h"
 #include <stdint.h>
@@ -112,18 +114,13 @@ typedef struct {
 } Tile;
 
 /* One item meeting the tile as it is decoded (a pass with a single item: nothing to reuse, so the codes
- * go straight into its dots instead of through memory): d[k] lane r = row r's integer dot over codes
- * c[4k .. 4k + 4) with the item's activations q (the block's 256). */
-#define NF 4 /* items a fused pass with fp32 activations takes (more: slower, and a larger build) */
+ * go straight into its dots instead of through memory): d[p][k] lane r = row r's integer dot over codes
+ * c[4k .. 4k + 4) with the item's activations q[p] (the block's 256): nd = 1 plane of rounded int8
+ * activations, or the exact path's 3 digit planes. */
 typedef struct {
-    int fp, kind, nf; /* fp32 activations (quill_gemv_tiles_f32), nf items (at most NF); constants where made */
-    union {
-        __m512i d[16];
-        /* fd[i][k] lane r = row r's fp32 dot over weights 16k .. 16k + 16 with item i's x (the block's 256) */
-        __m512 fd[NF][16];
-    };
-    const int8_t *q;
-    const float *x[NF];
+    int nd; /* a constant where made */
+    __m512i d[3][16];
+    const int8_t *q[3];
 } Fuse;
 
 VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in every lane */
@@ -132,49 +129,13 @@ VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in ever
     return _mm512_set1_epi32(v);
 }
 
-/* The exact path's codes (fp32 activations), byte b of each lane of c[j] as fp32: weight 4j + b of the
- * lane's row, the format's own code. Made signed where the weights are (sgn 1: Q6_K's q - 32, a byte
- * subtraction; sgn 2: IQ4_XS's table value, stored + 128, a flipped top bit), then converted. */
-#define SGN(kind) ((kind) == 1 ? 1 : (kind) == 4 ? 2 : 0)
-VNNI static inline ALWAYS __m512i signed_codes(__m512i v, const int sgn) {
-    return sgn == 1 ? _mm512_sub_epi8(v, _mm512_set1_epi8(32)) : sgn == 2 ? _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)) : v;
-}
-VNNI static inline ALWAYS __m512 code_f32(__m512i v, const int b, const int sgn) {
-    if (sgn) return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24));
-    return _mm512_cvtepi32_ps(b == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(255)));
-}
-
-/* The same value in a fused pass (j a constant): where a code fits a table, one permute by the byte's low
- * bits (it ignores the rest of the lane) gives it, with no convert to share the FMAs' pipes: Q4_K's
- * nibbles (c[j], j % 16 < 8) and its high nibbles kept in place (16 times the code, bits 4-7), Q5_K's
- * 5-bit codes, IQ4_XS's table values (put_dword hands this pass the 4-bit indices). Q6_K converts. */
-VNNI static inline ALWAYS __m512 fused_code_f32(const int kind, const int j, __m512i v, const int b) {
-    const __m512i at = b ? _mm512_srli_epi32(v, 8 * b) : v;
-    if (kind == 0 && j % 16 < 8)
-        return _mm512_permutexvar_ps(at, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    if (kind == 0)
-        return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * b + 4), _mm512_setr_ps(0, 16, 32, 48, 64, 80, 96, 112, 128, 144,
-                                                                                     160, 176, 192, 208, 224, 240));
-    if (kind == 5)
-        return _mm512_permutex2var_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), at,
-                                      _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31));
-    if (kind == 4)
-        return _mm512_permutexvar_ps(at, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_TABLE))));
-    return code_f32(signed_codes(v, SGN(kind)), b, SGN(kind));
-}
-
 /* Codes c[j] of the tile: kept for the items of a pass, or (f) dotted at once with f's item: vpdpbusd
- * with its int8 activations, or (fp) four FMAs with its fp32 ones, in the order of the weights. */
+ * with each of its activation planes. */
 VNNI static inline ALWAYS void emit(Tile *t, Fuse *f, int j, __m512i v) {
     if (!f) {
         t->c[j] = v;
-    } else if (f->fp) {
-        for (int b = 0; b < 4; b++) {
-            const __m512 w = fused_code_f32(f->kind, j, v, b);
-            for (int i = 0; i < f->nf; i++) f->fd[i][j / 4] = _mm512_fmadd_ps(w, _mm512_set1_ps(f->x[i][4 * j + b]), f->fd[i][j / 4]);
-        }
     } else {
-        f->d[j / 4] = _mm512_dpbusd_epi32(f->d[j / 4], v, bcast4(f->q + 4 * j));
+        for (int p = 0; p < f->nd; p++) f->d[p][j / 4] = _mm512_dpbusd_epi32(f->d[p][j / 4], v, bcast4(f->q[p] + 4 * j));
     }
 }
 
@@ -286,9 +247,8 @@ VNNI static inline ALWAYS void put_dword(const int kind, int i, __m512i v, Tile 
         const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
         const int g = (i - 2) / 4, e = (i - 2) % 4; /* 16 bytes per group: low nibbles weights 32g + l, high 32g + 16 + l */
         const __m512i lo = _mm512_and_si512(v, n4), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), n4);
-        const int raw = f && f->fp; /* the fp32 fused pass looks the indices up itself (fused_code_f32) */
-        emit(t, f, 8 * g + e, raw ? lo : _mm512_shuffle_epi8(table, lo));
-        emit(t, f, 8 * g + 4 + e, raw ? hi : _mm512_shuffle_epi8(table, hi));
+        emit(t, f, 8 * g + e, _mm512_shuffle_epi8(table, lo));
+        emit(t, f, 8 * g + 4 + e, _mm512_shuffle_epi8(table, hi));
     }
 }
 
@@ -351,37 +311,128 @@ VNNI static inline ALWAYS __m512i tile_dot(const Tile *t, int j0, const int n, c
     return _mm512_add_epi32(a, c);
 }
 
+/* ---- The exact path's activations (quill_gemv_tiles_exact): x's digits (digits.h), per item and
+ * 32-element group, in one buffer per item:
+ *   q: 3 planes of K int8 (digit p of element k at p K + k) | unit: K/32 fp32 | from: 3 planes of K/16 int32
+ * (from: each plane's share of the format's offset per scale unit: Q6_K -32 times the plane's digit sum
+ * over each 16 elements, IQ4_XS -128 times it over each 32; unused for Q4_K and Q5_K). Each plane meets
+ * the decoded codes in the same integer dots as the int8 activations, starting from its offset term; per
+ * group (Q6_K: per 16-chunk) the three dots are exact integers below 2^20, recombined as d0 + 2^8 d1 in
+ * int32 (exact), then one FMA of 2^16 d2 in fp32: the group's dot with x / unit, rounded once or twice
+ * as an fp32 sum would be. */
+static inline long dig_bytes(long K) { return 3 * K + K / 8 + 3 * (K / 4); }
+
+typedef struct {
+    const int8_t *q[3];
+    const float *unit;
+    const int32_t *from[3];
+} Dig;
+
+static inline Dig dig_at(const uint8_t *buf, long K, int b) {
+    const uint8_t *p = buf + (long)b * dig_bytes(K);
+    const int32_t *s = (const int32_t *)(p + 3 * K + K / 8);
+    return (Dig){{(const int8_t *)p, (const int8_t *)p + K, (const int8_t *)p + 2 * K}, (const float *)(p + 3 * K),
+                 {s, s + K / 16, s + K / 8}};
+}
+
+/* x (B, K) fp32 -> B digit buffers (layout above) for a block kind's weights. */
+VNNI static void split_digits(int kind, const float *x, uint8_t *buf, int B, long K, int threads) {
+    const int off = kind == 1 ? 32 : kind == 4 ? 128 : 0, q6 = kind == 1;
+#pragma omp parallel for schedule(static) if (B >= 4) num_threads(threads > 0 ? threads : 1)
+    for (int b = 0; b < B; b++) {
+        int8_t *q = (int8_t *)(buf + (long)b * dig_bytes(K));
+        float *unit = (float *)(q + 3 * K);
+        int32_t *from = (int32_t *)(q + 3 * K + K / 8);
+        for (long g = 0; g < K / 32; g++) {
+            const __m512 v0 = _mm512_loadu_ps(x + (long)b * K + 32 * g), v1 = _mm512_loadu_ps(x + (long)b * K + 32 * g + 16);
+            const __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q); /* a NaN in either half */
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            int e;
+            __m512i d[2][3];
+            if ((unit[g] = digit_unit(mx, nan != 0, &e)) > 0.f) {
+                const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
+                digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), d[0]);
+                digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v1, up)), d[1]);
+            } else { /* NaN (the unit carries it) or all zero: no digits */
+                for (int p = 0; p < 3; p++) d[0][p] = d[1][p] = _mm512_setzero_si512();
+            }
+            for (int p = 0; p < 3; p++) {
+                for (int h = 0; h < 2; h++) _mm_storeu_si128((__m128i *)(q + p * K + 32 * g + 16 * h), _mm512_cvtepi32_epi8(d[h][p]));
+                int32_t *f = from + p * (K / 16);
+                if (q6)
+                    for (int h = 0; h < 2; h++) f[2 * g + h] = -off * _mm512_reduce_add_epi32(d[h][p]);
+                else if (off)
+                    f[g] = -off * _mm512_reduce_add_epi32(_mm512_add_epi32(d[0][p], d[1][p]));
+            }
+        }
+    }
+}
+
+/* A group's (Q6_K: a chunk's) dot from the three planes' integer dots D (the format's offset already
+ * taken off each), recombined as the section's header states. */
+VNNI static inline ALWAYS __m512 digits_dot(const __m512i D[3]) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(D[2]), _mm512_set1_ps(65536.0f),
+                           _mm512_cvtepi32_ps(_mm512_add_epi32(D[0], _mm512_slli_epi32(D[1], 8))));
+}
+
+/* from + the integer dot of codes c[j0 .. j0 + n) with one digit plane at q (4n bytes): one chain for a
+ * 16-chunk (the three planes are three), two for a group. */
+VNNI static inline ALWAYS __m512i plane_dot(const Tile *t, int j0, const int n, const int8_t *q, __m512i from) {
+    if (n < 8) {
+        for (int j = 0; j < n; j++) from = _mm512_dpbusd_epi32(from, t->c[j0 + j], bcast4(q + 4 * j));
+        return from;
+    }
+    __m512i c = _mm512_setzero_si512();
+    for (int j = 0; j < n; j += 2) {
+        from = _mm512_dpbusd_epi32(from, t->c[j0 + j], bcast4(q + 4 * j));
+        c = _mm512_dpbusd_epi32(c, t->c[j0 + j + 1], bcast4(q + 4 * (j + 1)));
+    }
+    return _mm512_add_epi32(from, c);
+}
+
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
- * item i0 + i) += its contribution, in the float sequence the header states. With fz (nb = 1) the
- * integer dots are already in fz: the same integers, so the same floats. */
-VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, const Fuse *fz, int has_mins, const uint8_t *act,
-                                          long K, long b, int ng, float *acc, int i0, const int nb) {
+ * item i0 + i) += its contribution, in the float sequence the headers state: nd = 1, act holds rounded
+ * int8 activations (Act); nd = 3, act holds digit buffers (Dig) and xs each item's K / 32 exact sums of
+ * x (the mins' terms). Per group (Q6_K: per 16-chunk) in order: one FMA of the scaled dot, then, where
+ * the format has them, one of the min. With fz (nb = 1) the integer dots are already in fz: the same
+ * integers, so the same floats. */
+VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Tile *t, const Fuse *fz, int has_mins,
+                                          const uint8_t *act, const float *xs, long K, long b, int ng, float *acc,
+                                          int i0, const int nb) {
+    const int q6 = kind == 1, per = q6 ? 16 : 32, units = q6 ? 16 : ng < 8 ? ng : 8; /* Q6_K: per 16-chunk scales, offset 32 */
+    const int offset = q6 ? 32 : kind == 4 || kind == LAYOUT_Q8 ? 128 : 0; /* codes + 128: IQ4_XS, q8 */
+    const int minus = kind == 0 || kind == 5; /* Q4_K / Q5_K subtract their mins; the layouts add them */
     __m512 s[IT];
     for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i);
-    if (kind == 1) { /* Q6_K: per 16-chunk scales, offset 32 */
-        for (int c = 0; c < 16; c++)
-            for (int i = 0; i < nb; i++) {
+    for (int u = 0; u < units; u++)
+        for (int i = 0; i < nb; i++) {
+            __m512 f, unit;
+            float sum; /* the group's sum of x, for its min */
+            if (nd == 1) {
                 const Act a = act_at(act, K, i0 + i);
-                __m512 f = _mm512_cvtepi32_ps(fz ? fz->d[c] : tile_dot(t, 4 * c, 4, a.q + 256 * b + 16 * c));
-                f = _mm512_fnmadd_ps(_mm512_set1_ps(32.0f), _mm512_set1_ps(a.s16[16 * b + c]), f);
-                s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[c], _mm512_set1_ps(a.dx[8 * b + c / 2])), s[i]);
-            }
-    } else {
-        const int offset = kind == 4 || kind == LAYOUT_Q8; /* codes + 128 */
-        const int minus = kind == 0 || kind == 5;          /* Q4_K / Q5_K subtract their mins; the layouts add them */
-        for (int g = 0; g < ng; g++)
-            for (int i = 0; i < nb; i++) {
-                const Act a = act_at(act, K, i0 + i);
-                __m512 f = _mm512_cvtepi32_ps(fz ? _mm512_add_epi32(fz->d[2 * g], fz->d[2 * g + 1])
-                                                 : tile_dot(t, 8 * g, 8, a.q + 256 * b + 32 * g));
-                if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_set1_ps(a.s32[8 * b + g]), f);
-                s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[g], _mm512_set1_ps(a.dx[8 * b + g])), s[i]);
-                if (has_mins) {
-                    const __m512 x = _mm512_set1_ps(a.xs[8 * b + g]);
-                    s[i] = minus ? _mm512_fnmadd_ps(t->mn[g], x, s[i]) : _mm512_fmadd_ps(t->mn[g], x, s[i]);
+                f = _mm512_cvtepi32_ps(fz ? q6 ? fz->d[0][u] : _mm512_add_epi32(fz->d[0][2 * u], fz->d[0][2 * u + 1])
+                                          : tile_dot(t, u * per / 4, per / 4, a.q + 256 * b + per * u));
+                if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a.s16[16 * b + u] : a.s32[8 * b + u]), f);
+                unit = _mm512_set1_ps(a.dx[8 * b + (q6 ? u / 2 : u)]);
+                sum = q6 ? 0.f : a.xs[8 * b + u];
+            } else { /* each plane's dot starts from its offset term */
+                const Dig dg = dig_at(act, K, i0 + i);
+                __m512i D[3];
+                for (int p = 0; p < 3; p++) {
+                    const __m512i from = offset ? _mm512_set1_epi32(dg.from[p][(q6 ? 16 : 8) * b + u]) : _mm512_setzero_si512();
+                    D[p] = !fz ? plane_dot(t, u * per / 4, per / 4, dg.q[p] + 256 * b + per * u, from)
+                         : _mm512_add_epi32(from, q6 ? fz->d[p][u] : _mm512_add_epi32(fz->d[p][2 * u], fz->d[p][2 * u + 1]));
                 }
+                f = digits_dot(D);
+                unit = _mm512_set1_ps(dg.unit[8 * b + (q6 ? u / 2 : u)]);
+                sum = has_mins ? xs[(long)(i0 + i) * (K / 32) + 8 * b + u] : 0.f;
             }
-    }
+            s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[u], unit), s[i]);
+            if (has_mins && !q6) {
+                const __m512 x = _mm512_set1_ps(sum);
+                s[i] = minus ? _mm512_fnmadd_ps(t->mn[u], x, s[i]) : _mm512_fmadd_ps(t->mn[u], x, s[i]);
+            }
+        }
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
 }
 
@@ -396,69 +447,12 @@ VNNI static inline ALWAYS void tile_items(const int kind, const Tile *t, const F
         else { F(LAYOUT_Q8, __VA_ARGS__); }                                                          \
     } while (0)
 
-#define ITEMS_NB(k, ...) NB_SWITCH(tile_items, k, __VA_ARGS__)
-VNNI static void items_pass(int kind, const Tile *t, int has_mins, const uint8_t *act, long K, long b, int ng,
-                            float *acc, int i0, int nb) {
-    KIND_CONST(ITEMS_NB, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
-}
-
-/* ---- Exact fp32 activations on the same tiles (quill_gemv_tiles_f32: kquant.c's GEMV of the block kinds
- * with isa 512 on a VNNI CPU). The decoded codes become fp32 (code_f32, fused_code_f32: each format's own
- * codes, signed where its weights are), so weight = scale * code - min is the file's own, and x is never
- * rounded. Per (row, item) and 16-weight chunk c of a super-block, the dot d_c = sum over the chunk's
- * weights in order of code * x (FMAs from zero); then per group
- * (Q6_K: per chunk) one FMA of the scale times the dot (d_2g + d_2g+1), and for Q4_K / Q5_K one of the min
- * times the group's sum of x. The same sequence at any batch: a fused pass of 1-NF items (the decoded
- * registers go straight into their FMAs, as in the int8 path) and a tile of items give the same bits. */
-
-#define FCHUNK 16 /* items per pass over the weights: their fp32 rows stay in L2 */
-
-/* The decoded tile's codes as fp32: F[k] lane r = row r's code k. */
-VNNI static inline ALWAYS void tile_floats(const Tile *t, const int sgn, __m512 *F) {
-    for (int j = 0; j < 64; j++) {
-        const __m512i v = signed_codes(t->c[j], sgn);
-#pragma GCC unroll 4
-        for (int b = 0; b < 4; b++) F[4 * j + b] = code_f32(v, b, sgn);
-    }
-}
-
-/* Items [i0, i0 + nb) (fp32 rows of x, K apart; xs: each item's K / 32 group sums) meet the tile of
- * super-block b: F holds its codes as fp32, or (fz, a fused pass) their chunk dots are already made. */
-VNNI static inline ALWAYS void ftile_items(const int kind, const Tile *t, const __m512 *F, const Fuse *fz, int has_mins,
-                                           const float *x, const float *xs, long K, long b, float *acc, int i0,
-                                           const int nb) {
-    __m512 s[IT], prev[IT];
-    for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i), prev[i] = _mm512_setzero_ps();
-    for (int c = 0; c < 16; c++) {
-        __m512 d[IT];
-        if (fz) {
-            for (int i = 0; i < nb; i++) d[i] = fz->fd[i][c];
-        } else {
-            for (int i = 0; i < nb; i++) d[i] = _mm512_setzero_ps();
-            for (int k = 16 * c; k < 16 * c + 16; k++)
-                for (int i = 0; i < nb; i++)
-                    d[i] = _mm512_fmadd_ps(F[k], _mm512_set1_ps(x[(long)(i0 + i) * K + 256 * b + k]), d[i]);
-        }
-        for (int i = 0; i < nb; i++) {
-            if (kind == 1) {
-                s[i] = _mm512_fmadd_ps(d[i], t->sc[c], s[i]);
-            } else if (c % 2 == 0) {
-                prev[i] = d[i];
-            } else {
-                const int g = c / 2;
-                s[i] = _mm512_fmadd_ps(_mm512_add_ps(prev[i], d[i]), t->sc[g], s[i]);
-                if (has_mins) /* Q4_K, Q5_K */
-                    s[i] = _mm512_fnmadd_ps(t->mn[g], _mm512_set1_ps(xs[(long)(i0 + i) * (K / 32) + 8 * b + g]), s[i]);
-            }
-        }
-    }
-    for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
-}
-
-#define FITEMS_NB(k, ...) NB_SWITCH(ftile_items, k, __VA_ARGS__)
-VNNI static void fitems_pass(int kind, const Tile *t, const __m512 *F, int has_mins, const float *x, const float *xs,
-                             long K, long b, float *acc, int i0, int nb) {
-    BLOCK_CONST(FITEMS_NB, kind, t, F, NULL, has_mins, x, xs, K, b, acc, i0);
+#define ITEMS_I8(k, ...) NB_SWITCH(tile_items, k, 1, __VA_ARGS__)
+#define ITEMS_DIGITS(k, ...) NB_SWITCH(tile_items, k, 3, __VA_ARGS__)
+VNNI static void items_pass(int kind, int nd, const Tile *t, int has_mins, const uint8_t *act, const float *xs, long K,
+                            long b, int ng, float *acc, int i0, int nb) {
+    if (nd == 3) BLOCK_CONST(ITEMS_DIGITS, kind, t, NULL, has_mins, act, xs, K, b, ng, acc, i0);
+    else KIND_CONST(ITEMS_I8, kind, t, NULL, has_mins, act, xs, K, b, ng, acc, i0);
 }
 
 VNNI static inline ALWAYS void decode_kind(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
@@ -472,59 +466,43 @@ VNNI static void decode_any(int kind, const uint8_t *const *rows, const uint8_t 
     KIND_CONST(decode_kind, kind, rows, srows, mrows, b, ng, t, NULL);
 }
 
-/* A fused pass (batch 1; with fp32 activations x, xs, 1-NF items): decode straight into the items' dots,
- * then their floats. */
-VNNI static inline ALWAYS void one_item_k(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
-                                          const uint8_t *const *mrows, long b, int ng, int has_mins, const uint8_t *act,
-                                          const float *x, const float *xs, long K, float *acc, int item, const int fp,
-                                          const int nf) {
+/* A fused pass (one item): decode straight into the item's dots (nd planes), then its floats. */
+VNNI static inline ALWAYS void one_item_k(const int kind, const int nd, const uint8_t *const *rows,
+                                          const uint8_t *const *srows, const uint8_t *const *mrows, long b, int ng,
+                                          int has_mins, const uint8_t *act, const float *xs, long K, float *acc, int item) {
     Tile t;
     Fuse f;
-    f.fp = fp;
-    f.kind = kind;
-    f.nf = nf;
-    for (int k = 0; k < 16; k++) {
-        if (fp) for (int i = 0; i < nf; i++) f.fd[i][k] = _mm512_setzero_ps();
-        else f.d[k] = _mm512_setzero_si512();
+    f.nd = nd;
+    for (int p = 0; p < nd; p++) {
+        for (int k = 0; k < 16; k++) f.d[p][k] = _mm512_setzero_si512();
+        f.q[p] = (nd == 1 ? act_at(act, K, item).q : dig_at(act, K, item).q[p]) + 256 * b;
     }
-    if (fp) for (int i = 0; i < nf; i++) f.x[i] = x + (long)(item + i) * K + 256 * b;
-    else f.q = act_at(act, K, item).q + 256 * b;
     decode_kind(kind, rows, srows, mrows, b, ng, &t, &f);
-    if (fp) ftile_items(kind, &t, NULL, &f, has_mins, x, xs, K, b, acc, item, nf);
-    else tile_items(kind, &t, &f, has_mins, act, K, b, ng, acc, item, 1);
+    tile_items(kind, nd, &t, &f, has_mins, act, xs, K, b, ng, acc, item, 1);
 }
 
-#define ONE_ITEM_NG8(k, ...) one_item_k(k, rows, srows, mrows, b, 8, __VA_ARGS__)
-/* A fused pass with int8 activations: one item. */
-VNNI static void one_item(int kind, const uint8_t *const *rows, const uint8_t *const *srows, const uint8_t *const *mrows,
-                          long b, int ng, int has_mins, const uint8_t *act, long K, float *acc, int item) {
-    /* ng a constant wherever it is 8 (every block, every whole stretch): the indices stay constants */
-    if (ng < 8 && kind == LAYOUT_Q4) /* a layout's last, shorter stretch */
-        one_item_k(LAYOUT_Q4, rows, srows, mrows, b, ng, has_mins, act, NULL, NULL, K, acc, item, 0, 1);
-    else if (ng < 8)
-        one_item_k(LAYOUT_Q8, rows, srows, mrows, b, ng, has_mins, act, NULL, NULL, K, acc, item, 0, 1);
+/* ng a constant wherever it is 8 (every block, every whole stretch): the indices stay constants */
+#define ONE_ITEM_I8(k, ...) one_item_k(k, 1, rows, srows, mrows, b, 8, __VA_ARGS__)
+#define ONE_ITEM_DIGITS(k, ...) one_item_k(k, 3, rows, srows, mrows, b, 8, __VA_ARGS__)
+VNNI static void one_item(int kind, int nd, const uint8_t *const *rows, const uint8_t *const *srows,
+                          const uint8_t *const *mrows, long b, int ng, int has_mins, const uint8_t *act, const float *xs,
+                          long K, float *acc, int item) {
+    if (nd == 3) /* the block kinds */
+        BLOCK_CONST(ONE_ITEM_DIGITS, kind, has_mins, act, xs, K, acc, item);
+    else if (ng < 8) /* a layout's last, shorter stretch */
+        one_item_k(kind == LAYOUT_Q4 ? LAYOUT_Q4 : LAYOUT_Q8, 1, rows, srows, mrows, b, ng, has_mins, act, NULL, K, acc, item);
     else
-        KIND_CONST(ONE_ITEM_NG8, kind, has_mins, act, NULL, NULL, K, acc, item, 0, 1);
+        KIND_CONST(ONE_ITEM_I8, kind, has_mins, act, NULL, K, acc, item);
 }
 
-/* A fused pass with fp32 activations: items [item, item + n), n <= NF, of a block kind. */
-VNNI static void items_f32_fused(int kind, const uint8_t *const *rows, long b, int has_mins, const float *x,
-                                 const float *xs, long K, float *acc, int item, int n) {
-    const uint8_t *const *srows = NULL, *const *mrows = NULL;
-    if (n == 1) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 1);
-    else if (n == 2) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 2);
-    else if (n == 3) BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 3);
-    else BLOCK_CONST(ONE_ITEM_NG8, kind, has_mins, NULL, x, xs, K, acc, item, 1, 4);
-}
-
-/* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks of CHUNK, each chunk meeting every
- * 16-row tile (tiles split among threads); within a tile, each super-block / stretch is decoded once
- * and meets the chunk's items IT at a time (a chunk of one item: one_item). A last partial tile repeats
- * row N - 1 and stores only its real rows. With fp32 activations (x, xs; act NULL): chunks of FCHUNK,
- * a chunk of up to NF items fused (items_f32_fused), larger ones through the tile's codes as fp32 (F). */
-VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, const float *mins, const uint8_t *act,
-                           const float *x, const float *xs, long K, int N, int B, float *out, int ld, int threads) {
-    const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8, per_pass = x ? FCHUNK : CHUNK;
+/* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks (CHUNK with int8 activations, DCHUNK with
+ * digits: their planes stay in L2), each chunk meeting every 16-row tile (tiles split among threads);
+ * within a tile, each super-block / stretch is decoded once and meets the chunk's items IT at a time (a
+ * chunk of one item: one_item). A last partial tile repeats row N - 1 and stores only its real rows. */
+#define DCHUNK 16
+VNNI static void tile_gemm(int kind, int nd, const uint8_t *codes, const float *scale, const float *mins,
+                           const uint8_t *act, const float *xs, long K, int N, int B, float *out, int ld, int threads) {
+    const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8, per_pass = nd == 3 ? DCHUNK : CHUNK;
     const long row_bytes = layout ? (long)G * (kind == LAYOUT_Q8 ? 32 : 16) : (long)(K / 256) * super_bytes(kind);
     const int tiles = (N + 15) / 16, has_mins = layout ? mins != NULL : kind == 0 || kind == 5;
     for (int c0 = 0; c0 < B; c0 += per_pass) {
@@ -539,7 +517,6 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                 mrows[r] = layout && mins ? (const uint8_t *)(mins + n * G) : NULL;
             }
             Tile t;
-            __m512 F[256]; /* the exact path's codes as fp32 (tile_floats) */
             float acc[CHUNK * 16] __attribute__((aligned(64)));
             memset(acc, 0, sizeof(float) * 16 * nc);
             for (long b = 0; b < nblk; b++) {
@@ -551,20 +528,14 @@ VNNI static void tile_gemm(int kind, const uint8_t *codes, const float *scale, c
                     if (layout) prefetch_part((const char *)(scale + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                     if (layout && mins) prefetch_part((const char *)(mins + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                 }
-                if (x && nc <= NF) {
-                    items_f32_fused(kind, rows, b, has_mins, x, xs, K, acc, c0, nc);
-                    continue;
-                }
                 if (nc == 1) {
-                    one_item(kind, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, K, acc, c0);
+                    one_item(kind, nd, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, xs, K, acc, c0);
                     continue;
                 }
                 decode_any(kind, rows, srows, mins ? mrows : NULL, b, ng, &t);
-                if (x) tile_floats(&t, SGN(kind), F);
                 for (int i0 = 0; i0 < nc; i0 += IT) {
                     const int nb = nc - i0 < IT ? nc - i0 : IT;
-                    if (x) fitems_pass(kind, &t, F, has_mins, x, xs, K, b, acc + 16 * i0, c0 + i0, nb);
-                    else items_pass(kind, &t, has_mins, act, K, b, ng, acc + 16 * i0, c0 + i0, nb);
+                    items_pass(kind, nd, &t, has_mins, act, xs, K, b, ng, acc + 16 * i0, c0 + i0, nb);
                 }
             }
             const int real = N - 16 * tile < 16 ? N - 16 * tile : 16;
@@ -590,22 +561,26 @@ int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const floa
     if (!quill_i8_supported(kind) || K % (kind >= LAYOUT_Q4 ? 32 : 256)) return -1;
     quill_act8_quantize(x, act, B, K, threads);
     if (isa >= 512 && quill_hw_vnni()) {
-        tile_gemm(kind, codes, scale, mins, act, NULL, NULL, K, N, B, out, ld, threads);
+        tile_gemm(kind, 1, codes, scale, mins, act, NULL, K, N, B, out, ld, threads);
         return 0;
     }
     quill_i8_tiles_avx2(kind, codes, scale, mins, act, K, N, B, out, ld, threads);
     return 0;
 }
 
-/* out (B, ld) columns [0, N) = x (B, K) @ W.T with x in fp32, never rounded (the exact path), on the VNNI
- * CPUs' tiles above, for W in the block kinds 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K (K a multiple of 256).
- * xs: each item's K / 32 sums of x per 32 weights (the mins' terms; read for Q4_K and Q5_K), made by the
- * caller (kquant.c, which makes them for its rows too). Returns 0, or -1 (nothing written)
- * where this CPU or the kind has no tile kernel, for kquant.c to run its rows. The q4 / q8 layouts keep
- * their rows (quant_gemv.c): there a fused pass of one item took 1.3-1.5x their time. */
-int quill_gemv_tiles_f32(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B,
-                         int ld, int threads) {
+/* Bytes of quill_gemv_tiles_exact's digits for B items of K inputs. */
+long quill_digits_bytes(int B, int K) { return (long)B * dig_bytes(K); }
+
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T with x exact (its digits, above), on the VNNI CPUs' tiles,
+ * for W in the block kinds 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K (K a multiple of 256). xs: each item's K / 32
+ * sums of x per 32 weights (the mins' terms; read for Q4_K and Q5_K), made by the caller (kquant.c, which
+ * makes them for its rows too); digits: scratch of quill_digits_bytes(B, K). Returns 0, or -1 (nothing
+ * written) where this CPU or the kind has no tile kernel, for kquant.c to run its rows. The q4 / q8
+ * layouts keep their rows (quant_gemv.c). */
+int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, const float *xs, uint8_t *digits, float *out,
+                           int N, int K, int B, int ld, int threads) {
     if (!quill_hw_vnni() || !tile_block_kind(kind) || K % 256) return -1;
-    tile_gemm(kind, blocks, NULL, NULL, NULL, x, xs, K, N, B, out, ld, threads);
+    split_digits(kind, x, digits, B, K, threads);
+    tile_gemm(kind, 3, blocks, NULL, NULL, digits, xs, K, N, B, out, ld, threads);
     return 0;
 }
