@@ -375,13 +375,8 @@ VNNI static inline ALWAYS __m512 digits_dot(const __m512i D[3]) {
                            _mm512_cvtepi32_ps(_mm512_add_epi32(D[0], _mm512_slli_epi32(D[1], 8))));
 }
 
-/* from + the integer dot of codes c[j0 .. j0 + n) with one digit plane at q (4n bytes): one chain for a
- * 16-chunk (the three planes are three), two for a group. */
+/* from + the integer dot of codes c[j0 .. j0 + n) with one digit plane at q (4n bytes), in two chains. */
 VNNI static inline ALWAYS __m512i plane_dot(const Tile *t, int j0, const int n, const int8_t *q, __m512i from) {
-    if (n < 8) {
-        for (int j = 0; j < n; j++) from = _mm512_dpbusd_epi32(from, t->c[j0 + j], bcast4(q + 4 * j));
-        return from;
-    }
     __m512i c = _mm512_setzero_si512();
     for (int j = 0; j < n; j += 2) {
         from = _mm512_dpbusd_epi32(from, t->c[j0 + j], bcast4(q + 4 * j));
