@@ -108,6 +108,30 @@ def test_rows_are_batch_invariant(qtype, isa):
 
 @needs_native
 @pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS], ids=lambda t: t.name)
+def test_nan_zero_and_tiny_inputs(qtype, isa):
+    """On the tiles' exact paths (VNNI: x's digits per 32 inputs; AVX2: fp32 FMAs): a NaN in an item's x makes
+    all of that item's outputs NaN, as an fp32 product would, and no other item's; an all-zero group, and an
+    item of tiny values (2^-125, one group 2^10 larger: each group its own digit unit) give the fp64
+    product to fp32 accuracy, alone and in a batch."""
+    raw, shape, ref = blocks(qtype, 37, 2, seed=7)
+    lin = PackedLinear(pack_gguf(qtype, shape, raw), None, Workspace())
+    x = torch.randn(4, shape[1], generator=torch.Generator().manual_seed(8))
+    x[1, 100] = float("nan")
+    x[2, 32:64] = 0.0
+    x[3] *= 2.0**-125
+    x[3, 256:288] *= 2.0**10
+    expected = x.double() @ torch.from_numpy(ref).double().T
+    with use_kernel_options(KernelOptions(isa=isa, amx=False, threads=2)):
+        for rows in (4, 1):
+            got = torch.cat([lin(x[i : i + rows], gemv_rows=rows) for i in range(0, 4, rows)]).double()
+            assert torch.isnan(got[1]).all() and not torch.isnan(got[[0, 2, 3]]).any()
+            for i in (0, 2, 3):
+                assert ((got[i] - expected[i]).abs().max() / expected[i].abs().max()).item() < 1e-5, i
+
+
+@needs_native
+@pytest.mark.parametrize("isa", isas())
 def test_split_projection_of_mixed_types(isa):
     """q (Q4_K), k (Q8_0), v (Q6_K): one SplitWeight, each part through its own kernel into its columns."""
     parts = [blocks(t, rows, n, seed=i) for i, (t, rows, n) in enumerate(((Q.Q4_K, 24, 2), (Q.Q8_0, 8, 16), (Q.Q6_K, 8, 2)))]

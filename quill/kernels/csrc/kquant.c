@@ -24,7 +24,8 @@
  * (On CPUs with AMX, unless QUILL_NO_AMX turns it off, those four load as AMX tiles, tiled.py, and run amx_gemv.c.)
  * On AVX-512 CPUs with VNNI (isa 512), Q4_K, Q5_K, Q6_K and IQ4_XS take kquant_i8.c's tiles instead, at
  * every batch (quill_gemv_tiles_exact: 16 rows decoded at once, each code register reused by every item;
- * x as three int8 digits per element, digits.h, recombined in fp32 with no rounding beyond fp32's own). With isa 256 (AVX2) the same kinds take kquant_i8_avx2.c's 8-row tiles
+ * x as three int8 digits per element, digits.h: at most 2^-22 of its group's largest |x| off, the size of
+ * fp32's own rounding in a sum). With isa 256 (AVX2) the same kinds take kquant_i8_avx2.c's 8-row tiles
  * (quill_gemv_tiles_f32_avx2): 0.75-0.85x the rows' time at batch 1, 0.68-0.73x at batch 16 (before
  * that file's passes over two tiles, which took another 0.81-0.89x at batch 16 on a Zen 1). The rows
  * below serve the other kinds, and AVX-512 without VNNI.

@@ -5,8 +5,9 @@
  * four fp32 FMAs. This is the one place where quill rounds anything beyond the file's own
  * quantization; the exact kernels stay the default. On VNNI CPUs the exact path of the block kinds
  * runs on the same tiles (quill_gemv_tiles_exact, at the end of the VNNI part) with x as three int8
- * digits per element (digits.h: no rounding beyond fp32's own): the decode is shared, each digit plane
- * takes the same integer dots, and the three are recombined in fp32.
+ * digits per element (digits.h: at most 2^-22 of its group's largest |x| off, the size of fp32's own
+ * rounding in a sum): the decode is shared, each digit plane takes the same integer dots, and the three
+ * are recombined in fp32.
  *
  * Activations (quill_act8_quantize): for each item and each group g of 32 inputs,
  *   dx[g] = max|x| / 127,  q = round-to-nearest-even(x * (1 / dx[g])) in -127..127,
@@ -375,16 +376,6 @@ VNNI static inline ALWAYS __m512 digits_dot(const __m512i D[3]) {
                            _mm512_cvtepi32_ps(_mm512_add_epi32(D[0], _mm512_slli_epi32(D[1], 8))));
 }
 
-/* from + the integer dot of codes c[j0 .. j0 + n) with one digit plane at q (4n bytes), in two chains. */
-VNNI static inline ALWAYS __m512i plane_dot(const Tile *t, int j0, const int n, const int8_t *q, __m512i from) {
-    __m512i c = _mm512_setzero_si512();
-    for (int j = 0; j < n; j += 2) {
-        from = _mm512_dpbusd_epi32(from, t->c[j0 + j], bcast4(q + 4 * j));
-        c = _mm512_dpbusd_epi32(c, t->c[j0 + j + 1], bcast4(q + 4 * (j + 1)));
-    }
-    return _mm512_add_epi32(from, c);
-}
-
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
  * item i0 + i) += its contribution, in the float sequence the headers state: nd = 1, act holds rounded
  * int8 activations (Act); nd = 3, act holds digit buffers (Dig) and xs each item's K / 32 exact sums of
@@ -399,7 +390,25 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
     const int minus = kind == 0 || kind == 5; /* Q4_K / Q5_K subtract their mins; the layouts add them */
     __m512 s[IT];
     for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i);
-    for (int u = 0; u < units; u++)
+    for (int u = 0; u < units; u++) {
+        __m512i DD[IT][3]; /* nd 3: every item's three planes' dots of unit u, each from its offset term */
+        if (nd == 3) {
+            for (int i = 0; i < nb; i++) {
+                const Dig dg = dig_at(act, K, i0 + i);
+                for (int p = 0; p < 3; p++) {
+                    const __m512i from = offset ? _mm512_set1_epi32(dg.from[p][(q6 ? 16 : 8) * b + u]) : _mm512_setzero_si512();
+                    DD[i][p] = !fz ? from : _mm512_add_epi32(from, q6 ? fz->d[p][u] : _mm512_add_epi32(fz->d[p][2 * u], fz->d[p][2 * u + 1]));
+                }
+            }
+            if (!fz) /* each code register loaded once, into every item's three chains */
+                for (int j = 0; j < per / 4; j++) {
+                    const __m512i c = t->c[u * per / 4 + j];
+                    for (int i = 0; i < nb; i++) {
+                        const Dig dg = dig_at(act, K, i0 + i);
+                        for (int p = 0; p < 3; p++) DD[i][p] = _mm512_dpbusd_epi32(DD[i][p], c, bcast4(dg.q[p] + 256 * b + per * u + 4 * j));
+                    }
+                }
+        }
         for (int i = 0; i < nb; i++) {
             __m512 f, unit;
             float sum; /* the group's sum of x, for its min */
@@ -410,24 +419,21 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
                 if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a.s16[16 * b + u] : a.s32[8 * b + u]), f);
                 unit = _mm512_set1_ps(a.dx[8 * b + (q6 ? u / 2 : u)]);
                 sum = q6 ? 0.f : a.xs[8 * b + u];
-            } else { /* each plane's dot starts from its offset term */
+            } else {
                 const Dig dg = dig_at(act, K, i0 + i);
-                __m512i D[3];
-                for (int p = 0; p < 3; p++) {
-                    const __m512i from = offset ? _mm512_set1_epi32(dg.from[p][(q6 ? 16 : 8) * b + u]) : _mm512_setzero_si512();
-                    D[p] = !fz ? plane_dot(t, u * per / 4, per / 4, dg.q[p] + 256 * b + per * u, from)
-                         : _mm512_add_epi32(from, q6 ? fz->d[p][u] : _mm512_add_epi32(fz->d[p][2 * u], fz->d[p][2 * u + 1]));
-                }
-                f = digits_dot(D);
+                f = digits_dot(DD[i]);
                 unit = _mm512_set1_ps(dg.unit[8 * b + (q6 ? u / 2 : u)]);
                 sum = has_mins ? xs[(long)(i0 + i) * (K / 32) + 8 * b + u] : 0.f;
             }
-            s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[u], unit), s[i]);
+            /* int8: the dot times (scale * dx); digits: (dot * unit) times scale, which stays in fp32's normal
+             * range wherever the product does (scale * unit alone leaves it for |x| below about 2^-100) */
+            s[i] = nd == 1 ? _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[u], unit), s[i]) : _mm512_fmadd_ps(_mm512_mul_ps(f, unit), t->sc[u], s[i]);
             if (has_mins && !q6) {
                 const __m512 x = _mm512_set1_ps(sum);
                 s[i] = minus ? _mm512_fnmadd_ps(t->mn[u], x, s[i]) : _mm512_fmadd_ps(t->mn[u], x, s[i]);
             }
         }
+    }
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
 }
 
@@ -492,12 +498,15 @@ VNNI static void one_item(int kind, int nd, const uint8_t *const *rows, const ui
 
 /* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks (CHUNK with int8 activations, DCHUNK with
  * digits: their planes stay in L2), each chunk meeting every 16-row tile (tiles split among threads);
- * within a tile, each super-block / stretch is decoded once and meets the chunk's items IT at a time (a
- * chunk of one item: one_item). A last partial tile repeats row N - 1 and stores only its real rows. */
+ * within a tile, each super-block / stretch is decoded once and meets the chunk's items IT (digits: DIT)
+ * at a time (a chunk of one item: one_item). A last partial tile repeats row N - 1 and stores only its
+ * real rows. */
 #define DCHUNK 16
+#define DIT 6 /* items per pass over a decoded tile with digits: 3 chains each, 18 in all (8: spills) */
 VNNI static void tile_gemm(int kind, int nd, const uint8_t *codes, const float *scale, const float *mins,
                            const uint8_t *act, const float *xs, long K, int N, int B, float *out, int ld, int threads) {
     const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8, per_pass = nd == 3 ? DCHUNK : CHUNK;
+    const int it = nd == 3 ? DIT : IT;
     const long row_bytes = layout ? (long)G * (kind == LAYOUT_Q8 ? 32 : 16) : (long)(K / 256) * super_bytes(kind);
     const int tiles = (N + 15) / 16, has_mins = layout ? mins != NULL : kind == 0 || kind == 5;
     for (int c0 = 0; c0 < B; c0 += per_pass) {
@@ -528,8 +537,8 @@ VNNI static void tile_gemm(int kind, int nd, const uint8_t *codes, const float *
                     continue;
                 }
                 decode_any(kind, rows, srows, mins ? mrows : NULL, b, ng, &t);
-                for (int i0 = 0; i0 < nc; i0 += IT) {
-                    const int nb = nc - i0 < IT ? nc - i0 : IT;
+                for (int i0 = 0; i0 < nc; i0 += it) {
+                    const int nb = nc - i0 < it ? nc - i0 : it;
                     items_pass(kind, nd, &t, has_mins, act, xs, K, b, ng, acc + 16 * i0, c0 + i0, nb);
                 }
             }
