@@ -302,16 +302,6 @@ VNNI static inline ALWAYS void decode_layout(const int q8, const uint8_t *const 
     }
 }
 
-/* The integer dot of codes c[j0 .. j0 + n) with one item's activations at q (4n bytes), in two chains. */
-VNNI static inline ALWAYS __m512i tile_dot(const Tile *t, int j0, const int n, const int8_t *q) {
-    __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
-    for (int j = 0; j < n; j += 2) {
-        a = _mm512_dpbusd_epi32(a, t->c[j0 + j], bcast4(q + 4 * j));
-        c = _mm512_dpbusd_epi32(c, t->c[j0 + j + 1], bcast4(q + 4 * (j + 1)));
-    }
-    return _mm512_add_epi32(a, c);
-}
-
 /* ---- The exact path's activations (quill_gemv_tiles_exact): x's digits (digits.h), per item and
  * 32-element group, in one buffer per item:
  *   q: 3 planes of K int8 (digit p of element k at p K + k) | unit: K/32 fp32 | from: 3 planes of K/16 int32
@@ -391,31 +381,30 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
     __m512 s[IT];
     for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i);
     for (int u = 0; u < units; u++) {
-        __m512i DD[IT][3]; /* nd 3: every item's three planes' dots of unit u, each from its offset term */
-        if (nd == 3) {
-            for (int i = 0; i < nb; i++) {
-                const Dig dg = dig_at(act, K, i0 + i);
-                for (int p = 0; p < 3; p++) {
-                    const __m512i from = offset ? _mm512_set1_epi32(dg.from[p][(q6 ? 16 : 8) * b + u]) : _mm512_setzero_si512();
-                    DD[i][p] = !fz ? from : _mm512_add_epi32(from, q6 ? fz->d[p][u] : _mm512_add_epi32(fz->d[p][2 * u], fz->d[p][2 * u + 1]));
-                }
+        /* DD[i][p]: item i's dot of unit u in plane p (int8: one plane; digits: three, each from its offset
+         * term). Through the tile (no fz) each code register is loaded once, into every item's chains. */
+        __m512i DD[IT][3];
+        for (int i = 0; i < nb; i++)
+            for (int p = 0; p < nd; p++) {
+                const __m512i from = nd == 3 && offset ? _mm512_set1_epi32(dig_at(act, K, i0 + i).from[p][(q6 ? 16 : 8) * b + u])
+                                                       : _mm512_setzero_si512();
+                DD[i][p] = !fz ? from : _mm512_add_epi32(from, q6 ? fz->d[p][u] : _mm512_add_epi32(fz->d[p][2 * u], fz->d[p][2 * u + 1]));
             }
-            if (!fz) /* each code register loaded once, into every item's three chains */
-                for (int j = 0; j < per / 4; j++) {
-                    const __m512i c = t->c[u * per / 4 + j];
-                    for (int i = 0; i < nb; i++) {
-                        const Dig dg = dig_at(act, K, i0 + i);
-                        for (int p = 0; p < 3; p++) DD[i][p] = _mm512_dpbusd_epi32(DD[i][p], c, bcast4(dg.q[p] + 256 * b + per * u + 4 * j));
+        if (!fz)
+            for (int j = 0; j < per / 4; j++) {
+                const __m512i c = t->c[u * per / 4 + j];
+                for (int i = 0; i < nb; i++)
+                    for (int p = 0; p < nd; p++) {
+                        const int8_t *q = nd == 1 ? act_at(act, K, i0 + i).q : dig_at(act, K, i0 + i).q[p];
+                        DD[i][p] = _mm512_dpbusd_epi32(DD[i][p], c, bcast4(q + 256 * b + per * u + 4 * j));
                     }
-                }
-        }
+            }
         for (int i = 0; i < nb; i++) {
             __m512 f, unit;
             float sum; /* the group's sum of x, for its min */
             if (nd == 1) {
                 const Act a = act_at(act, K, i0 + i);
-                f = _mm512_cvtepi32_ps(fz ? q6 ? fz->d[0][u] : _mm512_add_epi32(fz->d[0][2 * u], fz->d[0][2 * u + 1])
-                                          : tile_dot(t, u * per / 4, per / 4, a.q + 256 * b + per * u));
+                f = _mm512_cvtepi32_ps(DD[i][0]);
                 if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a.s16[16 * b + u] : a.s32[8 * b + u]), f);
                 unit = _mm512_set1_ps(a.dx[8 * b + (q6 ? u / 2 : u)]);
                 sum = q6 ? 0.f : a.xs[8 * b + u];
