@@ -290,21 +290,13 @@ AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *
     for (int h = 0; h < 2; h++) {
         const int g = 2 * c + h;
         const float *p = x + (long)b * K + (long)g * 32;
-        __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
-        xs[(long)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-        const __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q); /* a NaN in either half */
-        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        int e;
-        const float unit = xscale[(long)b * G + g] = digit_unit(mx, nan != 0, &e);
-        if (!(unit > 0.f)) continue; /* NaN or all zero: its digits stay zero */
-        const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
-        __m512i d0[3], d1[3];
-        digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), d0);
-        digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v1, up)), d1);
+        xs[(long)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)));
+        __m512i dg[2][3];
+        if (!((xscale[(long)b * G + g] = group_digits(p, dg)) > 0.f)) continue; /* NaN or all zero: its digits stay zero */
         int8_t *row = rows + 3 * h * 64 + h * 32, *row1 = row + 16;
         for (int d = 0; d < 3; d++, row += 64, row1 += 64) {
-            _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(d0[d]));
-            _mm_storeu_si128((__m128i *)row1, _mm512_cvtepi32_epi8(d1[d]));
+            _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(dg[0][d]));
+            _mm_storeu_si128((__m128i *)row1, _mm512_cvtepi32_epi8(dg[1][d]));
         }
     }
 }

@@ -30,4 +30,20 @@ AVX512 static inline void digits3(__m512i v, __m512i d[3]) {
         v = _mm512_srai_epi32(_mm512_sub_epi32(v, d[p]), 8);
     }
 }
+
+/* The 32 values at p (one group): their unit (digit_unit's) and, where it is positive, their digits,
+ * d[h][k] digit k of values 16h .. 16h + 15; zeros for a NaN or an infinity (the unit carries it) or an
+ * all-zero group. */
+AVX512 static inline float group_digits(const float *p, __m512i d[2][3]) {
+    const __m512 v[2] = {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)};
+    const __mmask16 nan = _mm512_cmp_ps_mask(v[0], v[1], _CMP_UNORD_Q); /* a NaN in either half */
+    int e;
+    const float unit = digit_unit(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))), nan != 0, &e);
+    for (int h = 0; h < 2; h++)
+        if (unit > 0.f) /* |v| <= 2^22 */
+            digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v[h], _mm512_set1_ps((float)(22 - e)))), d[h]);
+        else
+            d[h][0] = d[h][1] = d[h][2] = _mm512_setzero_si512();
+    return unit;
+}
 #endif

@@ -335,18 +335,8 @@ VNNI static void split_digits(int kind, const float *x, uint8_t *buf, int B, lon
         float *unit = (float *)(q + 3 * K);
         int32_t *from = (int32_t *)(q + 3 * K + K / 8);
         for (long g = 0; g < K / 32; g++) {
-            const __m512 v0 = _mm512_loadu_ps(x + (long)b * K + 32 * g), v1 = _mm512_loadu_ps(x + (long)b * K + 32 * g + 16);
-            const __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q); /* a NaN in either half */
-            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            int e;
             __m512i d[2][3];
-            if ((unit[g] = digit_unit(mx, nan != 0, &e)) > 0.f) {
-                const __m512 up = _mm512_set1_ps((float)(22 - e)); /* |v| <= 2^22 */
-                digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v0, up)), d[0]);
-                digits3(_mm512_cvtps_epi32(_mm512_scalef_ps(v1, up)), d[1]);
-            } else { /* NaN (the unit carries it) or all zero: no digits */
-                for (int p = 0; p < 3; p++) d[0][p] = d[1][p] = _mm512_setzero_si512();
-            }
+            unit[g] = group_digits(x + (long)b * K + 32 * g, d);
             for (int p = 0; p < 3; p++) {
                 for (int h = 0; h < 2; h++) _mm_storeu_si128((__m128i *)(q + p * K + 32 * g + 16 * h), _mm512_cvtepi32_epi8(d[h][p]));
                 int32_t *f = from + p * (K / 16);
