@@ -303,47 +303,45 @@ VNNI static inline ALWAYS void decode_layout(const int q8, const uint8_t *const 
 }
 
 /* ---- The exact path's activations (quill_gemv_tiles_exact): x's digits (digits.h), per item and
- * 32-element group, in one buffer per item:
- *   q: 3 planes of K int8 (digit p of element k at p K + k) | unit: K/32 fp32 | from: 3 planes of K/16 int32
- * (from: each plane's share of the format's offset per scale unit: Q6_K -32 times the plane's digit sum
- * over each 16 elements, IQ4_XS -128 times it over each 32; unused for Q4_K and Q5_K). Each plane meets
- * the decoded codes in the same integer dots as the int8 activations, starting from its offset term; per
- * group (Q6_K: per 16-chunk) the three dots are exact integers below 2^20, recombined as d0 + 2^8 d1 in
- * int32 (exact), then one FMA of 2^16 d2 in fp32: the group's dot with x / unit, rounded once or twice
- * as an fp32 sum would be. */
-static inline long dig_bytes(long K) { return 3 * K + K / 8 + 3 * (K / 4); }
+ * 32-element group, in one buffer per item of K / 256 blocks of 1024 bytes, block b holding all that
+ * super-block b's dots read (so one pointer per item reaches it at constant offsets):
+ *   DIG_Q   3 planes of 256 int8 (digit p of element 256 b + k at 256 p + k)
+ *   DIG_UNIT 8 fp32: each group's unit
+ *   DIG_XS  8 fp32: each group's exact sum of x (the caller's xs, for the mins of Q4_K and Q5_K)
+ *   DIG_FROM 16 x 3 int32: per scale unit (Q6_K: 16-chunk; IQ4_XS: group) and plane, that plane's share
+ *           of the format's offset: Q6_K -32, IQ4_XS -128 times the plane's digit sum over the unit.
+ * Each plane meets the decoded codes in the same integer dots as the int8 activations, starting from its
+ * offset term; per group (Q6_K: per 16-chunk) the three dots are exact integers below 2^20, recombined as
+ * d0 + 2^8 d1 in int32 (exact), then one FMA of 2^16 d2 in fp32: the group's dot with x / unit, rounded
+ * once or twice as an fp32 sum would be. */
+enum { DIG_Q = 0, DIG_UNIT = 768, DIG_XS = 800, DIG_FROM = 832, DIG_BLOCK = 1024 };
+static inline long dig_bytes(long K) { return K / 256 * DIG_BLOCK; }
 
-typedef struct {
-    const int8_t *q[3];
-    const float *unit;
-    const int32_t *from[3];
-} Dig;
-
-static inline Dig dig_at(const uint8_t *buf, long K, int b) {
-    const uint8_t *p = buf + (long)b * dig_bytes(K);
-    const int32_t *s = (const int32_t *)(p + 3 * K + K / 8);
-    return (Dig){{(const int8_t *)p, (const int8_t *)p + K, (const int8_t *)p + 2 * K}, (const float *)(p + 3 * K),
-                 {s, s + K / 16, s + K / 8}};
+/* Item b's block `blk` of the digit buffers at buf. */
+static inline const uint8_t *dig_block(const uint8_t *buf, long K, int b, long blk) {
+    return buf + (long)b * dig_bytes(K) + DIG_BLOCK * blk;
 }
 
-/* x (B, K) fp32 -> B digit buffers (layout above) for a block kind's weights. */
-VNNI static void split_digits(int kind, const float *x, uint8_t *buf, int B, long K, int threads) {
-    const int off = kind == 1 ? 32 : kind == 4 ? 128 : 0, q6 = kind == 1;
+/* x (B, K) fp32 with its sums xs (B, K / 32; read where the kind has mins) -> B digit buffers (layout
+ * above) for a block kind's weights. */
+VNNI static void split_digits(int kind, const float *x, const float *xs, uint8_t *buf, int B, long K, int threads) {
+    const int off = kind == 1 ? 32 : kind == 4 ? 128 : 0, q6 = kind == 1, mins = kind == 0 || kind == 5;
 #pragma omp parallel for schedule(static) if (B >= 4) num_threads(threads > 0 ? threads : 1)
     for (int b = 0; b < B; b++) {
-        int8_t *q = (int8_t *)(buf + (long)b * dig_bytes(K));
-        float *unit = (float *)(q + 3 * K);
-        int32_t *from = (int32_t *)(q + 3 * K + K / 8);
         for (long g = 0; g < K / 32; g++) {
+            uint8_t *blk = buf + (long)b * dig_bytes(K) + DIG_BLOCK * (g / 8);
+            const int u = (int)(g % 8);
+            int32_t *from = (int32_t *)(blk + DIG_FROM);
             __m512i d[2][3];
-            unit[g] = group_digits(x + (long)b * K + 32 * g, d);
+            ((float *)(blk + DIG_UNIT))[u] = group_digits(x + (long)b * K + 32 * g, d);
+            ((float *)(blk + DIG_XS))[u] = mins ? xs[(long)b * (K / 32) + g] : 0.f;
             for (int p = 0; p < 3; p++) {
-                for (int h = 0; h < 2; h++) _mm_storeu_si128((__m128i *)(q + p * K + 32 * g + 16 * h), _mm512_cvtepi32_epi8(d[h][p]));
-                int32_t *f = from + p * (K / 16);
+                for (int h = 0; h < 2; h++)
+                    _mm_storeu_si128((__m128i *)(blk + DIG_Q + 256 * p + 32 * u + 16 * h), _mm512_cvtepi32_epi8(d[h][p]));
                 if (q6)
-                    for (int h = 0; h < 2; h++) f[2 * g + h] = -off * _mm512_reduce_add_epi32(d[h][p]);
-                else if (off)
-                    f[g] = -off * _mm512_reduce_add_epi32(_mm512_add_epi32(d[0][p], d[1][p]));
+                    for (int h = 0; h < 2; h++) from[3 * (2 * u + h) + p] = -off * _mm512_reduce_add_epi32(d[h][p]);
+                else
+                    from[3 * u + p] = -off * _mm512_reduce_add_epi32(_mm512_add_epi32(d[0][p], d[1][p]));
             }
         }
     }
@@ -358,36 +356,37 @@ VNNI static inline ALWAYS __m512 digits_dot(const __m512i D[3]) {
 
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
  * item i0 + i) += its contribution, in the float sequence the headers state: nd = 1, act holds rounded
- * int8 activations (Act); nd = 3, act holds digit buffers (Dig) and xs each item's K / 32 exact sums of
- * x (the mins' terms). Per group (Q6_K: per 16-chunk) in order: one FMA of the scaled dot, then, where
+ * int8 activations (Act); nd = 3, act holds digit buffers (DIG_*, with the mins' sums of x). Per group (Q6_K: per 16-chunk) in order: one FMA of the scaled dot, then, where
  * the format has them, one of the min. With fz (nb = 1) the integer dots are already in fz: the same
  * integers, so the same floats. */
 VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Tile *t, const Fuse *fz, int has_mins,
-                                          const uint8_t *act, const float *xs, long K, long b, int ng, float *acc,
-                                          int i0, const int nb) {
+                                          const uint8_t *act, long K, long b, int ng, float *acc, int i0, const int nb) {
     const int q6 = kind == 1, per = q6 ? 16 : 32, units = q6 ? 16 : ng < 8 ? ng : 8; /* Q6_K: per 16-chunk scales, offset 32 */
     const int offset = q6 ? 32 : kind == 4 || kind == LAYOUT_Q8 ? 128 : 0; /* codes + 128: IQ4_XS, q8 */
     const int minus = kind == 0 || kind == 5; /* Q4_K / Q5_K subtract their mins; the layouts add them */
     __m512 s[IT];
-    for (int i = 0; i < nb; i++) s[i] = _mm512_loadu_ps(acc + 16 * i);
+    const int8_t *qb[IT]; /* each item's activations of this block (digits: its block, planes at DIG_Q + 256 p) */
+    for (int i = 0; i < nb; i++) {
+        s[i] = _mm512_loadu_ps(acc + 16 * i);
+        qb[i] = nd == 1 ? act_at(act, K, i0 + i).q + 256 * b : (const int8_t *)dig_block(act, K, i0 + i, b);
+    }
     for (int u = 0; u < units; u++) {
         /* DD[i][p]: item i's dot of unit u in plane p (int8: one plane; digits: three, each from its offset
          * term). Through the tile (no fz) each code register is loaded once, into every item's chains. */
         __m512i DD[IT][3];
         for (int i = 0; i < nb; i++)
             for (int p = 0; p < nd; p++) {
-                const __m512i from = nd == 3 && offset ? _mm512_set1_epi32(dig_at(act, K, i0 + i).from[p][(q6 ? 16 : 8) * b + u])
+                const __m512i from = nd == 3 && offset ? _mm512_set1_epi32(((const int32_t *)(qb[i] + DIG_FROM))[3 * u + p])
                                                        : _mm512_setzero_si512();
                 DD[i][p] = !fz ? from : _mm512_add_epi32(from, q6 ? fz->d[p][u] : _mm512_add_epi32(fz->d[p][2 * u], fz->d[p][2 * u + 1]));
             }
         if (!fz)
-            for (int j = 0; j < per / 4; j++) {
+#pragma GCC unroll 8
+            for (int j = 0; j < per / 4; j++) { /* unrolled: every offset from qb[i] a constant */
                 const __m512i c = t->c[u * per / 4 + j];
                 for (int i = 0; i < nb; i++)
-                    for (int p = 0; p < nd; p++) {
-                        const int8_t *q = nd == 1 ? act_at(act, K, i0 + i).q : dig_at(act, K, i0 + i).q[p];
-                        DD[i][p] = _mm512_dpbusd_epi32(DD[i][p], c, bcast4(q + 256 * b + per * u + 4 * j));
-                    }
+                    for (int p = 0; p < nd; p++)
+                        DD[i][p] = _mm512_dpbusd_epi32(DD[i][p], c, bcast4(qb[i] + DIG_Q + 256 * p + per * u + 4 * j));
             }
         for (int i = 0; i < nb; i++) {
             __m512 f, unit;
@@ -399,10 +398,9 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
                 unit = _mm512_set1_ps(a.dx[8 * b + (q6 ? u / 2 : u)]);
                 sum = q6 ? 0.f : a.xs[8 * b + u];
             } else {
-                const Dig dg = dig_at(act, K, i0 + i);
                 f = digits_dot(DD[i]);
-                unit = _mm512_set1_ps(dg.unit[8 * b + (q6 ? u / 2 : u)]);
-                sum = has_mins ? xs[(long)(i0 + i) * (K / 32) + 8 * b + u] : 0.f;
+                unit = _mm512_set1_ps(((const float *)(qb[i] + DIG_UNIT))[q6 ? u / 2 : u]);
+                sum = has_mins ? ((const float *)(qb[i] + DIG_XS))[u] : 0.f;
             }
             /* int8: the dot times (scale * dx); digits: (dot * unit) times scale, which stays in fp32's normal
              * range wherever the product does (scale * unit alone leaves it for |x| below about 2^-100) */
@@ -429,10 +427,10 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
 
 #define ITEMS_I8(k, ...) NB_SWITCH(tile_items, k, 1, __VA_ARGS__)
 #define ITEMS_DIGITS(k, ...) NB_SWITCH(tile_items, k, 3, __VA_ARGS__)
-VNNI static void items_pass(int kind, int nd, const Tile *t, int has_mins, const uint8_t *act, const float *xs, long K,
+VNNI static void items_pass(int kind, int nd, const Tile *t, int has_mins, const uint8_t *act, long K,
                             long b, int ng, float *acc, int i0, int nb) {
-    if (nd == 3) BLOCK_CONST(ITEMS_DIGITS, kind, t, NULL, has_mins, act, xs, K, b, ng, acc, i0);
-    else KIND_CONST(ITEMS_I8, kind, t, NULL, has_mins, act, xs, K, b, ng, acc, i0);
+    if (nd == 3) BLOCK_CONST(ITEMS_DIGITS, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
+    else KIND_CONST(ITEMS_I8, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
 }
 
 VNNI static inline ALWAYS void decode_kind(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
@@ -449,30 +447,30 @@ VNNI static void decode_any(int kind, const uint8_t *const *rows, const uint8_t 
 /* A fused pass (one item): decode straight into the item's dots (nd planes), then its floats. */
 VNNI static inline ALWAYS void one_item_k(const int kind, const int nd, const uint8_t *const *rows,
                                           const uint8_t *const *srows, const uint8_t *const *mrows, long b, int ng,
-                                          int has_mins, const uint8_t *act, const float *xs, long K, float *acc, int item) {
+                                          int has_mins, const uint8_t *act, long K, float *acc, int item) {
     Tile t;
     Fuse f;
     f.nd = nd;
     for (int p = 0; p < nd; p++) {
         for (int k = 0; k < 16; k++) f.d[p][k] = _mm512_setzero_si512();
-        f.q[p] = (nd == 1 ? act_at(act, K, item).q : dig_at(act, K, item).q[p]) + 256 * b;
+        f.q[p] = nd == 1 ? act_at(act, K, item).q + 256 * b : (const int8_t *)dig_block(act, K, item, b) + DIG_Q + 256 * p;
     }
     decode_kind(kind, rows, srows, mrows, b, ng, &t, &f);
-    tile_items(kind, nd, &t, &f, has_mins, act, xs, K, b, ng, acc, item, 1);
+    tile_items(kind, nd, &t, &f, has_mins, act, K, b, ng, acc, item, 1);
 }
 
 /* ng a constant wherever it is 8 (every block, every whole stretch): the indices stay constants */
 #define ONE_ITEM_I8(k, ...) one_item_k(k, 1, rows, srows, mrows, b, 8, __VA_ARGS__)
 #define ONE_ITEM_DIGITS(k, ...) one_item_k(k, 3, rows, srows, mrows, b, 8, __VA_ARGS__)
 VNNI static void one_item(int kind, int nd, const uint8_t *const *rows, const uint8_t *const *srows,
-                          const uint8_t *const *mrows, long b, int ng, int has_mins, const uint8_t *act, const float *xs,
+                          const uint8_t *const *mrows, long b, int ng, int has_mins, const uint8_t *act,
                           long K, float *acc, int item) {
     if (nd == 3) /* the block kinds */
-        BLOCK_CONST(ONE_ITEM_DIGITS, kind, has_mins, act, xs, K, acc, item);
+        BLOCK_CONST(ONE_ITEM_DIGITS, kind, has_mins, act, K, acc, item);
     else if (ng < 8) /* a layout's last, shorter stretch */
-        one_item_k(kind == LAYOUT_Q4 ? LAYOUT_Q4 : LAYOUT_Q8, 1, rows, srows, mrows, b, ng, has_mins, act, NULL, K, acc, item);
+        one_item_k(kind == LAYOUT_Q4 ? LAYOUT_Q4 : LAYOUT_Q8, 1, rows, srows, mrows, b, ng, has_mins, act, K, acc, item);
     else
-        KIND_CONST(ONE_ITEM_I8, kind, has_mins, act, NULL, K, acc, item);
+        KIND_CONST(ONE_ITEM_I8, kind, has_mins, act, K, acc, item);
 }
 
 /* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks (CHUNK with int8 activations, DCHUNK with
@@ -483,7 +481,7 @@ VNNI static void one_item(int kind, int nd, const uint8_t *const *rows, const ui
 #define DCHUNK 16
 #define DIT 6 /* items per pass over a decoded tile with digits: 3 chains each, 18 in all (8: spills) */
 VNNI static void tile_gemm(int kind, int nd, const uint8_t *codes, const float *scale, const float *mins,
-                           const uint8_t *act, const float *xs, long K, int N, int B, float *out, int ld, int threads) {
+                           const uint8_t *act, long K, int N, int B, float *out, int ld, int threads) {
     const int layout = kind >= LAYOUT_Q4, G = (int)(K / 32), nblk = (G + 7) / 8, per_pass = nd == 3 ? DCHUNK : CHUNK;
     const int it = nd == 3 ? DIT : IT;
     const long row_bytes = layout ? (long)G * (kind == LAYOUT_Q8 ? 32 : 16) : (long)(K / 256) * super_bytes(kind);
@@ -512,13 +510,13 @@ VNNI static void tile_gemm(int kind, int nd, const uint8_t *codes, const float *
                     if (layout && mins) prefetch_part((const char *)(mins + (16L * tile + 16) * G), rows_next * G * 4, b, nblk);
                 }
                 if (nc == 1) {
-                    one_item(kind, nd, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, xs, K, acc, c0);
+                    one_item(kind, nd, rows, srows, mins ? mrows : NULL, b, ng, has_mins, act, K, acc, c0);
                     continue;
                 }
                 decode_any(kind, rows, srows, mins ? mrows : NULL, b, ng, &t);
                 for (int i0 = 0; i0 < nc; i0 += it) {
                     const int nb = nc - i0 < it ? nc - i0 : it;
-                    items_pass(kind, nd, &t, has_mins, act, xs, K, b, ng, acc + 16 * i0, c0 + i0, nb);
+                    items_pass(kind, nd, &t, has_mins, act, K, b, ng, acc + 16 * i0, c0 + i0, nb);
                 }
             }
             const int real = N - 16 * tile < 16 ? N - 16 * tile : 16;
@@ -544,7 +542,7 @@ int quill_gemv_i8(int kind, const uint8_t *codes, const float *scale, const floa
     if (!quill_i8_supported(kind) || K % (kind >= LAYOUT_Q4 ? 32 : 256)) return -1;
     quill_act8_quantize(x, act, B, K, threads);
     if (isa >= 512 && quill_hw_vnni()) {
-        tile_gemm(kind, 1, codes, scale, mins, act, NULL, K, N, B, out, ld, threads);
+        tile_gemm(kind, 1, codes, scale, mins, act, K, N, B, out, ld, threads);
         return 0;
     }
     quill_i8_tiles_avx2(kind, codes, scale, mins, act, K, N, B, out, ld, threads);
@@ -563,7 +561,7 @@ long quill_digits_bytes(int B, int K) { return (long)B * dig_bytes(K); }
 int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, const float *xs, uint8_t *digits, float *out,
                            int N, int K, int B, int ld, int threads) {
     if (!quill_hw_vnni() || !tile_block_kind(kind) || K % 256) return -1;
-    split_digits(kind, x, digits, B, K, threads);
-    tile_gemm(kind, 3, blocks, NULL, NULL, digits, xs, K, N, B, out, ld, threads);
+    split_digits(kind, x, xs, digits, B, K, threads);
+    tile_gemm(kind, 3, blocks, NULL, NULL, digits, K, N, B, out, ld, threads);
     return 0;
 }
