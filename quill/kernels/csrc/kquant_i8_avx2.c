@@ -53,7 +53,8 @@ typedef struct {
 } Tile8;
 
 /* One item meeting the codes as they are decoded: r16 the open int16 runs, d[u] the units' int32 dots;
- * with fp32 activations (fp 1, the exact path), fd[u] the units' fp32 dots; or (fp 2) no item:
+ * with fp32 activations (fp 1, the exact path), fd[h][u] the units' fp32 dots over their even (h 0) and
+ * odd (h 1) weights (two chains: see ftiles8); or (fp 2) no item:
  * the codes as fp32 into F (the exact path's tile for a pass over several items). */
 typedef struct {
     int fp;    /* a constant where made */
@@ -63,7 +64,7 @@ typedef struct {
             __m256i r16[64];
             __m256i d[16];
         };
-        __m256 fd[16];
+        __m256 fd[2][16];
     };
     const int8_t *q; /* the item's 256 activations of this block (int8) */
     const float *x;  /* (fp32) */
@@ -107,10 +108,11 @@ static inline ALWAYS void emit8(const int kind, Tile8 *t, Fuse8 *f, const int j,
         for (int b = 0; b < 4; b++) f->F[4 * j + b] = code_f32_8(v, b);
         return;
     }
-    if (f->fp) { /* four FMAs into the unit's dot, in the order of the weights */
+    if (f->fp) { /* four FMAs into the unit's two chains, each in the order of its weights */
         const __m256i v = signed_codes8(kind, c, w);
         const int u = j / UNIT(kind);
-        for (int b = 0; b < 4; b++) f->fd[u] = _mm256_fmadd_ps(code_f32_8(v, b), _mm256_set1_ps(f->x[4 * j + b]), f->fd[u]);
+        for (int b = 0; b < 4; b++)
+            f->fd[b & 1][u] = _mm256_fmadd_ps(code_f32_8(v, b), _mm256_set1_ps(f->x[4 * j + b]), f->fd[b & 1][u]);
         return;
     }
     __m256i x = bcast4(f->q + 4 * j);
@@ -353,10 +355,12 @@ static inline ALWAYS void one8_f32_k(const int kind, const uint8_t *const *rows,
     Tile8 t;
     Fuse8 f;
     f.fp = 1;
-    for (int u = 0; u < 16; u++) f.fd[u] = _mm256_setzero_ps();
+    for (int u = 0; u < 16; u++) f.fd[0][u] = f.fd[1][u] = _mm256_setzero_ps();
     f.x = x + 256 * b;
     decode8(kind, rows, b, &t, &f);
-    _mm256_storeu_ps(acc, unit_floats(kind, &t, f.fd, xs + 8 * b, _mm256_loadu_ps(acc)));
+    __m256 d[16];
+    for (int u = 0; u < 64 / UNIT(kind); u++) d[u] = _mm256_add_ps(f.fd[0][u], f.fd[1][u]);
+    _mm256_storeu_ps(acc, unit_floats(kind, &t, d, xs + 8 * b, _mm256_loadu_ps(acc)));
 }
 #define ONE8_F32(k, name)                                                                            \
     static void name(const uint8_t *const *rows, long b, const float *x, const float *xs, float *acc) { \
@@ -376,22 +380,23 @@ static inline ALWAYS void fpass8(const int kind, const int nt, const int nb, con
     const float *xi[FIT];
     for (int i = 0; i < nb; i++) xi[i] = x + (long)(i0 + i) * K + 256 * b;
     const int W = 4 * UNIT(kind); /* weights per unit */
-    for (int c = 0; c < 256 / W; c++) {
-        __m256 a[2][FIT];
-        for (int u = 0; u < nt; u++)
-            for (int i = 0; i < nb; i++) a[u][i] = _mm256_setzero_ps();
-#pragma GCC unroll 32
-        for (int k = W * c; k < W * c + W; k++) {
-            const __m256 f0 = F[0][k], f1 = F[nt - 1][k];
-            for (int i = 0; i < nb; i++) {
-                const __m256 xb = _mm256_set1_ps(xi[i][k]);
-                a[0][i] = _mm256_fmadd_ps(f0, xb, a[0][i]);
-                if (nt == 2) a[1][i] = _mm256_fmadd_ps(f1, xb, a[1][i]);
+    for (int c = 0; c < 256 / W; c++)
+        for (int h = 0; h < 2; h++) { /* the unit's even weights' chain, then its odd weights' */
+            __m256 a[2][FIT];
+            for (int u = 0; u < nt; u++)
+                for (int i = 0; i < nb; i++) a[u][i] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+            for (int k = W * c + h; k < W * c + W; k += 2) {
+                const __m256 f0 = F[0][k], f1 = F[nt - 1][k];
+                for (int i = 0; i < nb; i++) {
+                    const __m256 xb = _mm256_set1_ps(xi[i][k]);
+                    a[0][i] = _mm256_fmadd_ps(f0, xb, a[0][i]);
+                    if (nt == 2) a[1][i] = _mm256_fmadd_ps(f1, xb, a[1][i]);
+                }
             }
+            for (int u = 0; u < nt; u++)
+                for (int i = 0; i < nb; i++) D[i][u][c] = h ? _mm256_add_ps(D[i][u][c], a[u][i]) : a[u][i];
         }
-        for (int u = 0; u < nt; u++)
-            for (int i = 0; i < nb; i++) D[i][u][c] = a[u][i];
-    }
     for (int u = 0; u < nt; u++)
         for (int i = 0; i < nb; i++) {
             float *p = acc + 16 * (i0 + i) + 8 * u;
