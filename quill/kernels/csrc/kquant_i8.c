@@ -309,7 +309,8 @@ VNNI static inline ALWAYS void decode_layout(const int q8, const uint8_t *const 
  *   DIG_UNIT 8 fp32: each group's unit
  *   DIG_XS  8 fp32: each group's exact sum of x (the caller's xs, for the mins of Q4_K and Q5_K)
  *   DIG_FROM 16 x 3 int32: per scale unit (Q6_K: 16-chunk; IQ4_XS: group) and plane, that plane's share
- *           of the format's offset: Q6_K -32, IQ4_XS -128 times the plane's digit sum over the unit.
+ *           of the format's offset: Q6_K -32, IQ4_XS -128 times the plane's digit sum over the unit
+ *           (Q4_K and Q5_K have no offset: not written, not read).
  * Each plane meets the decoded codes in the same integer dots as the int8 activations, starting from its
  * offset term; per group (Q6_K: per 16-chunk) the three dots are exact integers below 2^20, recombined as
  * d0 + 2^8 d1 in int32 (exact), then one FMA of 2^16 d2 in fp32: the group's dot with x / unit, rounded
@@ -340,7 +341,7 @@ VNNI static void split_digits(int kind, const float *x, const float *xs, uint8_t
                     _mm_storeu_si128((__m128i *)(blk + DIG_Q + 256 * p + 32 * u + 16 * h), _mm512_cvtepi32_epi8(d[h][p]));
                 if (q6)
                     for (int h = 0; h < 2; h++) from[3 * (2 * u + h) + p] = -off * _mm512_reduce_add_epi32(d[h][p]);
-                else
+                else if (off)
                     from[3 * u + p] = -off * _mm512_reduce_add_epi32(_mm512_add_epi32(d[0][p], d[1][p]));
             }
         }
@@ -356,9 +357,9 @@ VNNI static inline ALWAYS __m512 digits_dot(const __m512i D[3]) {
 
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
  * item i0 + i) += its contribution, in the float sequence the headers state: nd = 1, act holds rounded
- * int8 activations (Act); nd = 3, act holds digit buffers (DIG_*, with the mins' sums of x). Per group (Q6_K: per 16-chunk) in order: one FMA of the scaled dot, then, where
- * the format has them, one of the min. With fz (nb = 1) the integer dots are already in fz: the same
- * integers, so the same floats. */
+ * int8 activations (Act); nd = 3, act holds digit buffers (DIG_*, with the mins' sums of x). Per group
+ * (Q6_K: per 16-chunk) in order: one FMA of the scaled dot, then, where the format has them, one of the
+ * min. With fz (nb = 1) the integer dots are already in fz: the same integers, so the same floats. */
 VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Tile *t, const Fuse *fz, int has_mins,
                                           const uint8_t *act, long K, long b, int ng, float *acc, int i0, const int nb) {
     const int q6 = kind == 1, per = q6 ? 16 : 32, units = q6 ? 16 : ng < 8 ? ng : 8; /* Q6_K: per 16-chunk scales, offset 32 */

@@ -54,7 +54,7 @@ typedef struct {
 
 /* One item meeting the codes as they are decoded: r16 the open int16 runs, d[u] the units' int32 dots;
  * with fp32 activations (fp 1, the exact path), fd[h][u] the units' fp32 dots over their even (h 0) and
- * odd (h 1) weights (two chains: see ftiles8); or (fp 2) no item:
+ * odd (h 1) weights (two chains: see fpass8); or (fp 2) no item:
  * the codes as fp32 into F (the exact path's tile for a pass over several items). */
 typedef struct {
     int fp;    /* a constant where made */
