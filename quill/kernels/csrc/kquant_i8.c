@@ -307,7 +307,8 @@ VNNI static inline ALWAYS void decode_layout(const int q8, const uint8_t *const 
  * super-block b's dots read (so one pointer per item reaches it at constant offsets):
  *   DIG_Q   3 planes of 256 int8 (digit p of element 256 b + k at 256 p + k)
  *   DIG_UNIT 8 fp32: each group's unit
- *   DIG_XS  8 fp32: each group's exact sum of x (the caller's xs, for the mins of Q4_K and Q5_K)
+ *   DIG_XS  8 fp32: each group's exact sum of x (the caller's xs, for the mins of Q4_K and Q5_K; the
+ *           other kinds neither write nor read it)
  *   DIG_FROM 16 x 3 int32: per scale unit (Q6_K: 16-chunk; IQ4_XS: group) and plane, that plane's share
  *           of the format's offset: Q6_K -32, IQ4_XS -128 times the plane's digit sum over the unit
  *           (Q4_K and Q5_K have no offset: not written, not read).
@@ -330,12 +331,12 @@ VNNI static void split_digits(int kind, const float *x, const float *xs, uint8_t
 #pragma omp parallel for schedule(static) if (B >= 4) num_threads(threads > 0 ? threads : 1)
     for (int b = 0; b < B; b++) {
         for (long g = 0; g < K / 32; g++) {
-            uint8_t *blk = buf + (long)b * dig_bytes(K) + DIG_BLOCK * (g / 8);
+            uint8_t *blk = (uint8_t *)dig_block(buf, K, b, g / 8);
             const int u = (int)(g % 8);
             int32_t *from = (int32_t *)(blk + DIG_FROM);
             __m512i d[2][3];
             ((float *)(blk + DIG_UNIT))[u] = group_digits(x + (long)b * K + 32 * g, d);
-            ((float *)(blk + DIG_XS))[u] = mins ? xs[(long)b * (K / 32) + g] : 0.f;
+            if (mins) ((float *)(blk + DIG_XS))[u] = xs[(long)b * (K / 32) + g];
             for (int p = 0; p < 3; p++) {
                 for (int h = 0; h < 2; h++)
                     _mm_storeu_si128((__m128i *)(blk + DIG_Q + 256 * p + 32 * u + 16 * h), _mm512_cvtepi32_epi8(d[h][p]));

@@ -374,7 +374,8 @@ ONE8_F32(5, one8_f32_q5k)
 /* Items [i0, i0 + nb) meet super-block b of nt decoded tiles (F[u][k] lane r = row r of tile u's code k):
  * per scaled unit, nt x nb sums in registers from zero over the unit's even codes in order, then over its
  * odd codes, added (the fused pass's two chains: one chain per unit made the single item wait on FMA
- * latency), then each (tile, item)'s unit_floats into acc[16 * item + 8 * u]. i0 counts from the pass's first item (x, xs point at it). */
+ * latency), then each (tile, item)'s unit_floats into acc[16 * item + 8 * u]. i0 counts from the pass's
+ * first item (x, xs point at it). */
 static inline ALWAYS void fpass8(const int kind, const int nt, const int nb, const Tile8 *t, __m256 (*F)[256],
                                  const float *x, const float *xs, long K, long b, float *acc, int i0) {
     __m256 D[FIT][2][16];
