@@ -196,6 +196,7 @@ static inline __attribute__((always_inline)) void row_256_k(const int kind, cons
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * bytes;
         float sc[16], *mn = HAS_MIN(kind) ? mrow + nmin * b : NULL;
+        prefetch_block(blk, bytes);
         block_scales(kind, blk, sc, mn);
         for (int g = 0; g < 8; g++) {
             __m256 w[4];
@@ -250,6 +251,7 @@ AVX512 static inline __attribute__((always_inline)) void row_512_n(const int kin
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * bytes;
         float sc[16], *mn = mrow + 8 * b;
+        prefetch_block(blk, bytes);
         block_scales(kind, blk, sc, mn);
         for (int g = 0; g < 8; g++) {
             __m512 w[2];
@@ -277,6 +279,7 @@ AVX512 static inline __attribute__((always_inline)) void row_q6k_512_n(const uin
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * Q6K_BYTES;
         float sc[16], unused[8];
+        prefetch_block(blk, Q6K_BYTES);
         block_scales(1, blk, sc, unused);
         for (int h = 0; h < 2; h++) {
             const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * h));
@@ -324,6 +327,7 @@ AVX512 static inline __attribute__((always_inline)) void row_q23k_512_n(const in
     for (int b = 0; b < nblk; b++) {
         const uint8_t *blk = row + (long)b * SUPER_BYTES(kind);
         float sc[16], mn[16];
+        prefetch_block(blk, SUPER_BYTES(kind));
         block_scales(kind, blk, sc, mn);
         for (int g = 0; g < 8; g++) {
             __m512 w[2];
@@ -358,6 +362,9 @@ AVX512 static void row_512(int kind, const uint8_t *row, int nblk, const float *
  * scale * (codes . x) per group in a fixed order. Layouts: ggml-common.h block_q5_0, block_iq4_nl,
  * block_iq4_xs, and the kvalues_iq4nl table. */
 
+
+/* A row's bytes per 32 weights (IQ4_XS: 136 per 256, so 17), for the weight stream's prefetch. */
+#define G32_STRIDE(kind) ((kind) == 2 ? Q5_0_BYTES : (kind) == 3 ? IQ4NL_BYTES : IQ4XS_BYTES / 8)
 
 /* Group gi of a row: its 32 signed codes. */
 static inline __m256i g32_codes(int kind, const uint8_t *row, int gi) {
@@ -407,6 +414,7 @@ static inline __attribute__((always_inline)) void g32_row_256_k(const int kind, 
     for (int g = 0; g < G; g++) {
         __m256 w[4];
         codes8(1, g32_codes(kind, row, g), w);
+        prefetch_ahead(row + (long)g * G32_STRIDE(kind), STREAM_AHEAD);
         const __m256 sv = _mm256_set1_ps(g32_scale(kind, row, g, scale));
         for (int t = 0; t < nb; t++) {
             const float *xg = x + (long)(b0 + t) * K + 32L * g;
@@ -434,6 +442,7 @@ AVX512 static inline __attribute__((always_inline)) void g32_row_512_n(const int
     for (int g = 0; g < G; g++) {
         __m512 w[2];
         codes16(1, g32_codes(kind, row, g), w);
+        prefetch_ahead(row + (long)g * G32_STRIDE(kind), STREAM_AHEAD);
         const __m512 sv = _mm512_set1_ps(g32_scale(kind, row, g, scale));
         __m512 *into = (g & 1) ? acc2 : acc; /* even and odd groups: two independent chains */
         for (int t = 0; t < nb; t++) {
@@ -462,6 +471,7 @@ static void f16_row_256(int kind, const uint16_t *row, const float *x, long K, f
     __m256 acc[TILE], acc2[TILE];
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm256_setzero_ps();
     for (long i = 0; i < K; i += 16) {
+        prefetch_ahead(row + i, STREAM_AHEAD);
         const __m256 w0 = half8(kind, row + i), w1 = half8(kind, row + i + 8);
         for (int t = 0; t < nb; t++) {
             const float *xi = x + (long)(b0 + t) * K + i;
@@ -483,6 +493,7 @@ AVX512 static inline __attribute__((always_inline)) void f16_row_512_n(const int
     __m512 acc[TILE512], acc2[TILE512];
     for (int t = 0; t < nb; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
     for (long i = 0; i < K; i += 32) {
+        prefetch_ahead(row + i, STREAM_AHEAD);
         const __m512 w0 = half16(kind, row + i), w1 = half16(kind, row + i + 16);
         for (int t = 0; t < nb; t++) {
             const float *xi = x + (long)(b0 + t) * K + i;

@@ -82,6 +82,15 @@ static inline __m256 min_terms8(const float *mn, const float *xst, int G) {
     return m;
 }
 
+/* Group g's codes, scale and mins asked for STREAM_AHEAD bytes of codes ahead (simd.h). The rows of a
+ * thread's range lie one after another in each of the three arrays, so one distance serves all three. */
+#define PREFETCH_GROUP(row, sc, mn, g, BYTES_PER_GROUP)                                            \
+    do {                                                                                          \
+        prefetch_ahead(row + (long)(g) * (BYTES_PER_GROUP), STREAM_AHEAD);                        \
+        prefetch_ahead(sc + (g), STREAM_AHEAD / (BYTES_PER_GROUP) * 4);                           \
+        if (mn) prefetch_ahead(mn + (g), STREAM_AHEAD / (BYTES_PER_GROUP) * 4);                   \
+    } while (0)
+
 #define TILE 6
 
 /* One row n for batch items [b0, b0+nb): always inlined with a constant nb (1..TILE) so the
@@ -99,6 +108,7 @@ static inline __m256 min_terms8(const float *mn, const float *xst, int G) {
         for (int g = 0; g < G; g++) {                                                             \
             __m256 w[4];                                                                          \
             UNPACK_SCALED(UNPACK, row + (long)g * BYTES_PER_GROUP, _mm256_set1_ps(sc[g]), w);     \
+            PREFETCH_GROUP(row, sc, mn, g, BYTES_PER_GROUP);                                      \
             _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) {                                \
                 const float *xg = xb + t * K + (long)g * 32;                                      \
                 acc[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), acc[t]);                      \
@@ -164,6 +174,7 @@ AVX512 static inline void unpack_q8_512(const int8_t *src, __m512 s, __m512 w[2]
             __m512 w[2], v[2];                                                                    \
             UNPACK(row + (long)g * BYTES_PER_GROUP, _mm512_set1_ps(sc[g]), w);                    \
             UNPACK(row + (long)(g + 1) * BYTES_PER_GROUP, _mm512_set1_ps(sc[g + 1]), v);          \
+            PREFETCH_GROUP(row, sc, mn, g, BYTES_PER_GROUP);                                      \
             _Pragma("GCC unroll 8") for (int t = 0; t < nb; t++) {                                \
                 const float *xg = xb + t * K + (long)g * 32;                                      \
                 acc[t] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xg), acc[t]);                      \
