@@ -70,7 +70,8 @@ def _ints(text: str) -> list[int]:
 
 
 def measure_bandwidth(repeats: int, mib: int = 512) -> float:
-    """GB/s of an all-threads sequential read of a buffer far larger than the caches."""
+    """GB/s of an all-threads sequential read of a buffer far larger than the caches, the stream asked for
+    ahead as the kernels ask for theirs (quill_read_sum): the roofline's bandwidth."""
     import torch
 
     from quill.kernels import native

@@ -285,15 +285,24 @@ GEMV_FN(quill_gemv_q8, int8_t, 32, row_q8, row_q8_512)
 DEQUANT_FN(quill_dequant_q4, uint8_t, 16, unpack_q4)
 DEQUANT_FN(quill_dequant_q8, int8_t, 32, unpack_q8)
 
-/* STREAM-like read bandwidth probe: sums n floats with all threads. */
+/* STREAM-like read bandwidth probe: sums n floats with all threads into vector accumulators, asking for
+ * the stream STREAM_AHEAD bytes ahead as the row kernels do. Each earlier form read less than the
+ * kernels reach, flattering every roofline figure (Intel Xeon, 512 MiB, interleaved medians): one
+ * horizontal sum and a double add per 128 bytes, no prefetch, 22.8 GB/s; with the prefetch, 27.0;
+ * this, 31.5. The sum's value is not used. */
 double quill_read_sum(const float *a, long n) {
     double total = 0.0;
-#pragma omp parallel for schedule(static) reduction(+ : total)
-    for (long i = 0; i < n / 32; i++) {
-        const float *p = a + i * 32;
-        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-        total += hsum8(s);
+#pragma omp parallel reduction(+ : total)
+    {
+        __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+#pragma omp for schedule(static)
+        for (long i = 0; i < n / 32; i++) {
+            const float *p = a + i * 32;
+            prefetch_ahead(p, STREAM_AHEAD);
+            acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
+            acc2 = _mm256_add_ps(acc2, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+        }
+        total += hsum8(_mm256_add_ps(acc, acc2));
     }
     return total;
 }
