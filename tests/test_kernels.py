@@ -10,6 +10,8 @@ from gguf import GGMLQuantizationType as Q
 
 from quill.kernels import native, tiled
 from quill.kernels.kquant import BlockWeight
+from quill.kernels.options import KernelOptions
+from quill.kernels.options import use as use_kernel_options
 from quill.kernels.packed import PACKABLE, PackedLinear, PackedWeight, SplitWeight, Workspace, concat_rows, pack_gguf
 
 from test_gguf import random_tensor
@@ -70,6 +72,28 @@ def test_kernel_rows_are_batch_invariant(qtype):
     # decode rows stay on the kernel even when prefill rows share the step
     mixed = torch.cat([batch[:3], torch.randn(40, w.cols)])
     assert torch.equal(lin(mixed, gemv_rows=3)[:3], full[:3])
+
+
+@needs_native
+@pytest.mark.parametrize("isa", [256, 512])  # 512: natively or on the emulation (conftest.py)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_row_kernels_in_chunks_match_whole_rows(qtype, isa):
+    """Batches of 8 or more whose x outgrows L1 run the q4/q8 rows in chunks of columns over blocks of rows
+    (quant_gemv.c's GEMV_FN): 70 rows (a last block of 6), 101 groups (chunks of 32, then 5: an odd last
+    group), a NaN and an inf in one item. Each row is bit-identical alone (whole rows) and in every batch,
+    and within 1e-5 of fp64."""
+    w, ref = packed(qtype, rows=70, blocks=101, seed=7)
+    lin = PackedLinear(w, None, Workspace())
+    x = torch.randn(21, w.cols, generator=torch.Generator().manual_seed(8))
+    x[11, 3], x[12, 40] = float("nan"), float("inf")
+    with use_kernel_options(KernelOptions(isa=isa, amx=False, threads=2)):
+        alone = torch.cat([lin(x[b : b + 1], gemv_rows=1) for b in range(21)])
+        for batch in (8, 9, 16, 21):
+            assert torch.equal(lin(x[:batch], gemv_rows=batch).view(torch.int32), alone[:batch].view(torch.int32)), batch
+    finite = [b for b in range(21) if b not in (11, 12)]
+    expected = x[finite].double() @ torch.from_numpy(ref).double().T
+    assert ((alone[finite].double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    assert alone[11].isnan().all() and not alone[12].isfinite().any()
 
 
 # The types whose weights take the q4/q8 layouts, which the AMX tiling converts, and the GGUF block
