@@ -93,10 +93,10 @@ static inline __m256 min_terms8(const float *mn, const float *xst, int G) {
         if (mn) prefetch_ahead(mn + (g), STREAM_AHEAD / (BYTES_PER_GROUP) * 4);                   \
     } while (0)
 
-/* The groups [g0, g1) of a row one call covers. st NULL: the whole row, g0 = 0 and g1 = G. Otherwise
- * st holds the call's items' accumulators between the calls of a row's chunks (GEMV_FN): loaded when
- * g0 > 0, stored when g1 < G; the call that ends at G writes the outputs. An item's arithmetic is the same
- * however its row is cut (a chunk holds whole pairs of groups), so the outputs are bit-identical. */
+/* The groups [g0, g1) of a row one call covers (the whole row: 0 and G). st holds the call's items'
+ * accumulators between the calls of a row's chunks (GEMV_FN): loaded when g0 > 0, stored when g1 < G; the
+ * call that ends at G writes the outputs. An item's arithmetic is the same however its row is cut (a
+ * chunk holds whole pairs of groups), so the outputs are bit-identical. */
 typedef struct {
     int g0, g1;
     float *st;
@@ -290,37 +290,27 @@ int quill_isa_used(int isa) { return isa >= 512 && quill_hw_avx512() ? 512 : 256
                    float *out, int N, int G, int B, int ld, int isa, int threads) {                  \
         if (mins) group_sums(x, xs, B, G); /* only the min terms read them */                      \
         const int wide = quill_isa_used(isa) == 512, tile = wide ? TILE512 : TILE;                \
-        if (B < CHUNK_MIN_B || (long)B * G * 32 * 4 <= X_IN_L1) { /* each row whole */            \
-            _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")   \
-            for (int n = 0; n < N; n++)                                                           \
-                for (int b0 = 0; b0 < B; b0 += tile) {                                            \
-                    const int nb = B - b0 < tile ? B - b0 : tile;                                 \
-                    const float *mn = mins ? mins + (long)n * G : NULL; /* NULL: ZERO_MINS */     \
-                    (wide ? ROW512 : ROW)(codes + (long)n * G * BYTES_PER_GROUP, scale + (long)n * G, mn, x, \
-                                          xs, out, ld, n, G, b0, (Span){0, G, NULL}, nb);         \
-                }                                                                                 \
-            return;                                                                               \
-        }                                                                                            \
-        const int blocks = (N + CHUNK_ROWS - 1) / CHUNK_ROWS;                                     \
+        /* whole rows (a block of one row, one chunk of G groups) unless the batch gains from chunks */ \
+        const int chunked = B >= CHUNK_MIN_B && (long)B * G * 32 * 4 > X_IN_L1;                    \
+        const int block_rows = chunked ? CHUNK_ROWS : 1, chunk = chunked ? CHUNK_GROUPS : G;        \
+        const int blocks = (N + block_rows - 1) / block_rows;                                       \
         _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")          \
         for (int blk = 0; blk < blocks; blk++) {                                                  \
             float st[CHUNK_ROWS][TILE512 * 32] __attribute__((aligned(64)));                      \
-            const int n0 = blk * CHUNK_ROWS, rows = N - n0 < CHUNK_ROWS ? N - n0 : CHUNK_ROWS;    \
-            for (int b0 = 0; b0 < B; b0 += tile) {                                                   \
+            const int n0 = blk * block_rows, rows = N - n0 < block_rows ? N - n0 : block_rows;    \
+            for (int b0 = 0; b0 < B; b0 += tile) {                                                \
                 const int nb = B - b0 < tile ? B - b0 : tile;                                     \
-                for (int g0 = 0; g0 < G; g0 += CHUNK_GROUPS) {                                    \
-                    const Span sp0 = {g0, G - g0 < CHUNK_GROUPS ? G : g0 + CHUNK_GROUPS, NULL};   \
+                for (int g0 = 0; g0 < G; g0 += chunk)                                             \
                     for (int r = 0; r < rows; r++) {                                              \
                         const long n = n0 + r;                                                    \
                         const float *mn = mins ? mins + n * G : NULL; /* NULL: ZERO_MINS */       \
-                        const Span sp = {sp0.g0, sp0.g1, st[r]};                                  \
+                        const Span sp = {g0, G - g0 < chunk ? G : g0 + chunk, st[r]};             \
                         (wide ? ROW512 : ROW)(codes + n * G * BYTES_PER_GROUP, scale + n * G, mn, x, xs, out, \
                                               ld, (int)n, G, b0, sp, nb);                         \
                     }                                                                             \
-                }                                                                                 \
-            }                                                                                        \
-        }                                                                                            \
-    }                                                                                                \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
     void NAME(const CODE_T *codes, const float *scale, const float *mins, const float *x, float *xs,  \
               float *out, int N, int G, int B, int isa, int threads) {                               \
         NAME##_ld(codes, scale, mins, x, xs, out, N, G, B, N, isa, threads);                         \
