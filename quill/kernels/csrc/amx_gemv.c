@@ -41,6 +41,7 @@
 
 #include "amx_tiles.h"
 #include "digits.h"
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -241,7 +242,6 @@ AVX512 void quill_amx_kq_rows(int kind, const void *codes, const void *scale, in
 #endif
 #define ITEMS 16   /* items per pass over a row block */
 #define MAX_TILES (ITEMS * ROWS_PER_ITEM / 16) /* A tiles per pass */
-#define PREFETCH 4 /* weight tiles read ahead */
 
 static int cpu_has_amx(void) {
 #ifdef QUILL_EMULATE_AMX
@@ -339,11 +339,6 @@ AMX static inline __m512 combine(__m512 acc, const int32_t *r, int wide, const _
 
 /* C tile `c` (0 or 1) copied out to dst. */
 #define TILE_OUT(c, dst) do { if (c) _tile_stored(1, (dst), 64); else _tile_stored(0, (dst), 64); } while (0)
-
-AMX static inline void load_weight_tile(int kind, const void *codes, long tile, int p, uint8_t *staged) {
-    const uint8_t *src = tile_codes(kind, codes, tile, staged);
-    if (p) _tile_loadd(5, src, 64); else _tile_loadd(4, src, 64);
-}
 
 /* ---- Q6_K by levels. Q6_K's scales are per 16 weights, so an exact integer sum over a chunk's 64 columns
  * would have to keep its four quarters apart (12 A rows per item, 12 C rows read out per 64 columns). Here
@@ -493,8 +488,7 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
                             if (tiles > 3) Q6_PRODUCTS(3, 3, ac + 3072, E);
                         }
                         if (c + 1 < C) {
-                            const char *ahead = (const char *)blk + (c + 1 + PREFETCH) * 768L;
-                            for (long i = 0; i < 768; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+                            prefetch_block(blk + (c + 1) * 768L, 768);
                             unpack_q6_levels(blk + (c + 1) * 768L, scb + (c + 1) * 64L, staged[(c + 1) & 1][0],
                                              staged[(c + 1) & 1][1]);
                         }
@@ -561,9 +555,10 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                 for (int c = 0; c <= C; c++) {
                     const int p = c & 1;
                     if (c < C) {
-                        /* the hardware prefetcher alone leaves the weight stream short of bandwidth */
-                        const char *ahead = (const char *)codes + ((long)rb * C + c + PREFETCH) * tile_bytes(kind);
-                        for (long i = 0; i < tile_bytes(kind); i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+                        /* the hardware prefetcher alone leaves the weight stream short of bandwidth (simd.h);
+                         * STREAM_AHEAD bytes rather than the 4 tiles before: q4 Q4_K tiles from memory at
+                         * batch 1 took 0.86-0.93x the time */
+                        prefetch_block((const uint8_t *)codes + ((long)rb * C + c) * tile_bytes(kind), tile_bytes(kind));
                         if (c == 0 && b0 == 0 && rb + 1 < RB) { /* and the next block's scales and mins */
                             const long gbytes = group_bytes(&sv);
                             for (long i = 0; i < (long)G * gbytes; i += 64) {
@@ -575,7 +570,13 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                                 if (mins) _mm_prefetch((const char *)(mv.d + (long)(rb + 1) * (K / 256) * 16) + i, _MM_HINT_T0);
                             }
                         }
-                        load_weight_tile(kind, codes, (long)rb * C + c, p, staged[p]);
+                        { /* chunk c's codes: q8's where they lie, the others unpacked a chunk ahead (below), so
+                           * the tile load does not wait on the stores that made them (kernel alone, Q4_K in
+                           * cache: 0.65-0.77x the time at batch 1) */
+                            if (c == 0 && !(kind & KIND_Q8)) tile_codes(kind, codes, (long)rb * C, staged[0]);
+                            const uint8_t *src = kind & KIND_Q8 ? (const uint8_t *)codes + ((long)rb * C + c) * 1024 : staged[p];
+                            if (p) _tile_loadd(5, src, 64); else _tile_loadd(4, src, 64);
+                        }
                         const int8_t *ac = a + ((long)c * R + (long)ROWS_PER_ITEM * b0) * 64;
                         /* each product's C is copied out after the next product is issued, so the copy
                          * (which waits for its product) does not hold back the next one */
@@ -589,6 +590,7 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                             }
                             if (q > 0) TILE_OUT((op - 1) & 1, ctile[p] + (q - 1) * 256);
                         }
+                        if (c + 1 < C && !(kind & KIND_Q8)) tile_codes(kind, codes, (long)rb * C + c + 1, staged[p ^ 1]);
                         TILE_OUT((op - 1) & 1, ctile[p] + (tiles - 1) * 256);
                     }
                     if (c > 0) { /* read out the previous chunk while this one multiplies */
