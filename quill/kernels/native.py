@@ -114,6 +114,11 @@ def load(emulate: str | None = None) -> ctypes.CDLL | None:
     # kind, codes, scale, mins, scale_d, mins_d, x, out, N, K, B, ld, scratch, threads
     lib.quill_amx_gemv.argtypes = [I, P, P, P, P, P, P, P, I, I, I, I, P, I]
     lib.quill_amx_gemv.restype = None
+    # the same arguments: AMX, or (kind bit 6) a K-quant weight tiled for the VNNI tiles
+    lib.quill_tiled_gemv.argtypes = [I, P, P, P, P, P, P, P, I, I, I, I, P, I]
+    lib.quill_tiled_gemv.restype = None
+    lib.quill_tiled_scratch_bytes.argtypes = [I, I, I]
+    lib.quill_tiled_scratch_bytes.restype = ctypes.c_long
     lib.quill_amx_dequant.argtypes = [I, P, P, P, P, P, P, I, I, I]
     lib.quill_amx_dequant.restype = None
     lib.quill_amx_scratch_bytes.argtypes = [I, I]

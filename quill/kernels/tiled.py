@@ -40,6 +40,7 @@ class TiledWeight(GroupWeight):
     mins: torch.Tensor | None  # like scale, or None where every min is zero
     scale_d: torch.Tensor | None = None  # K-quant scales: (rows/16, cols/256, 16) float16 factors, else None
     mins_d: torch.Tensor | None = None  # the mins' factors, likewise
+    vnni: bool = False  # run on the VNNI tiles (kquant_i8.c), not AMX: a K-quant weight tiled without AMX
 
     @property
     def rows(self) -> int:
@@ -59,9 +60,9 @@ class TiledWeight(GroupWeight):
     @property
     def native_kind(self) -> int:
         """The C kernel's kind: bit 0 = q8, bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bits 3-5 =
-        iq4, q6, q5 codes."""
+        iq4, q6, q5 codes, bit 6 = the VNNI tiles' weight."""
         return (_NATIVE[self.kind] | (2 if self.scale.dtype == torch.float16 else 0)
-                | (4 if self.scale_d is not None else 0))
+                | (4 if self.scale_d is not None else 0) | (64 if self.vnni else 0))
 
     def native_args(self) -> tuple:
         """(kind, codes, scale, mins, scale_d, mins_d): the C kernels' leading arguments (NULL for absent tensors)."""
@@ -77,11 +78,12 @@ class TiledWeight(GroupWeight):
 
     @property
     def kernel(self):
-        """quill_amx_gemv with this weight's arguments bound: (x, out, rows, cols, batch, ld, scratch, threads)."""
-        return functools.partial(native.load().quill_amx_gemv, *self.native_args())
+        """quill_tiled_gemv (AMX, or the VNNI tiles for a `vnni` weight) with this weight's arguments bound:
+        (x, out, rows, cols, batch, ld, scratch, threads)."""
+        return functools.partial(native.load().quill_tiled_gemv, *self.native_args())
 
     def scratch_bytes(self, batch: int) -> int:
-        return native.load().quill_amx_scratch_bytes(batch, self.cols)
+        return native.load().quill_tiled_scratch_bytes(self.native_kind, batch, self.cols)
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
@@ -118,6 +120,15 @@ def available(opts: options.KernelOptions | None = None) -> bool:
     lib = native.load()
     opts = opts or options.current()
     return lib is not None and opts.amx and bool(lib.quill_amx_enable())
+
+
+def vnni_available(opts: options.KernelOptions | None = None) -> bool:
+    """Whether K-quant weights loaded now take the tiled layout for the VNNI tiles instead (where AMX does not
+    tile them): the options ask for the AVX-512 kernels with exact activations (int8 activations keep the
+    blocks, which their kernels read) and the CPU has AVX-512 VNNI."""
+    lib = native.load()
+    opts = opts or options.current()
+    return lib is not None and opts.isa >= 512 and not opts.int8 and bool(lib.quill_hw_vnni())
 
 
 def _blocked(t: torch.Tensor, rows: int, groups: int, half: bool) -> torch.Tensor:
@@ -168,7 +179,7 @@ def tile_weight(w) -> TiledWeight | None:
     return TiledWeight(w.kind, _tiles(codes, w.kind), _blocked(w.scale, n, w.groups, half), mins)
 
 
-def _tile_kscales(w: BlockWeight) -> TiledWeight | None:
+def _tile_kscales(w: BlockWeight, vnni: bool = False) -> TiledWeight | None:
     if w.qtype not in KSCALE_TYPES or w.rows % ROWS:
         return None
     n, k, kind = w.rows, w.cols, KSCALE_TYPES[w.qtype]
@@ -177,14 +188,24 @@ def _tile_kscales(w: BlockWeight) -> TiledWeight | None:
     as_t = lambda a: None if a is None else torch.from_numpy(a.copy())  # noqa: E731
     blocked = lambda a, groups: None if a is None else _blocked(as_t(a), n, groups, False)  # noqa: E731
     return TiledWeight(kind, _tiles(as_t(parts.codes), kind), blocked(parts.scales, g), blocked(parts.mins, g),
-                       blocked(parts.scale_factor, f), blocked(parts.min_factor, f))
+                       blocked(parts.scale_factor, f), blocked(parts.min_factor, f), vnni)
 
 
 def for_cpu(w):
-    """The layout the fastest kernel on this CPU reads: tiled where AMX is available and the shape fits
-    (the other GGUF-block weights keep their own layout; a split weight's parts are each tiled or not)."""
-    if w is None or not available():
+    """The layout the fastest kernel on this CPU reads: tiled where AMX is available and the shape fits;
+    without AMX, where the VNNI tiles run (vnni_available), the K-quant weights (Q4_K, Q5_K, IQ4_XS, Q6_K)
+    tiled for them: the same layout, each 16 rows' super-block one contiguous read with its codes already
+    in the tiles' order. The other weights keep their own layout; a split weight's parts are each tiled
+    or not."""
+    if w is None:
+        return w
+    if available():
+        tile = tile_weight
+    elif vnni_available():
+        def tile(p):
+            return _tile_kscales(p, vnni=True) if isinstance(p, BlockWeight) else None
+    else:
         return w
     if isinstance(w, SplitWeight):
-        return SplitWeight([tile_weight(p) or p for p in w.parts])
-    return tile_weight(w) or w
+        return SplitWeight([tile(p) or p for p in w.parts])
+    return tile(w) or w

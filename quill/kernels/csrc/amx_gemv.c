@@ -49,6 +49,35 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+int quill_gemv_kq_tiled(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
+                        const float *, float *, float *, int, int, int, int, int); /* kquant.c */
+long quill_gemv_kq_scratch_bytes(int B, int K);
+void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                    const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
+                    int threads);
+long quill_amx_scratch_bytes(int B, int K);
+
+/* The block kind (kquant.c's) of a K-quant tiled kind. */
+static inline int block_kind(int kind) { return kind & KIND_Q6 ? 1 : kind & KIND_IQ4 ? 4 : kind & KIND_Q5 ? 5 : 0; }
+
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T for a tiled weight: on the AMX tiles (quill_amx_gemv), or, with
+ * kind bit 6 (KIND_VNNI, a K-quant weight tiled on a CPU or for an engine without AMX), on the VNNI tiles
+ * (kquant.c's quill_gemv_kq_tiled). scratch: quill_tiled_scratch_bytes(kind, B, K). */
+void quill_tiled_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                      const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
+                      int threads) {
+    if (!(kind & KIND_VNNI)) {
+        quill_amx_gemv(kind, codes, scale, mins, scale_d, mins_d, x, out, N, K, B, ld, scratch, threads);
+        return;
+    }
+    if (quill_gemv_kq_tiled(block_kind(kind), codes, scale, mins, scale_d, mins_d, x, scratch, out, N, K, B, ld, threads))
+        abort(); /* tiled.py tiles a weight for VNNI only where the CPU has it and the kind and shape fit */
+}
+
+long quill_tiled_scratch_bytes(int kind, int B, int K) {
+    return kind & KIND_VNNI ? quill_gemv_kq_scratch_bytes(B, K) : quill_amx_scratch_bytes(B, K);
+}
+
 /* Without AMX intrinsics (amx_tiles.h's AMX_COMPILER) the stubs at the end build, so the other kernels
  * still build and the loader keeps the packed layout. The AVX-512 emulation builds (isa.h) build the
  * layout's AVX-512 parts (the q4 unpack, the dequantization, the scratch size), and the tile GEMV only

@@ -15,13 +15,15 @@
 
 /* A tiled weight's kind (quill/kernels/tiled.py's native_kind): bit 0 = q8 codes (else q4), bit 1 = fp16
  * scales and mins, bit 2 = K-quant scales (int8 per group, fp16 per 256), bit 3 = iq4 codes, bit 4 = q6
- * codes, bit 5 = q5 codes. */
+ * codes, bit 5 = q5 codes; bit 6: a K-quant weight tiled for the VNNI tiles (kquant_i8.c), on a CPU or an
+ * engine without AMX. */
 #define KIND_Q8 1
 #define KIND_F16 2
 #define KIND_KSCALES 4
 #define KIND_IQ4 8
 #define KIND_Q6 16
 #define KIND_Q5 32
+#define KIND_VNNI 64
 
 /* LDTILECFG's 64-byte record (palette 1). */
 typedef struct {

@@ -21,7 +21,7 @@
 void quill_gemv_q4_ld(const uint8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int, int);
 void quill_gemv_q8_ld(const int8_t *, const float *, const float *, const float *, float *, float *, int, int, int, int, int, int);
 void quill_gemv_kq(int, const uint8_t *, const float *, float *, float *, int, int, int, int, int, int);
-void quill_amx_gemv(int, const void *, const void *, const void *, const void *, const void *, const float *, float *,
+void quill_tiled_gemv(int, const void *, const void *, const void *, const void *, const void *, const float *, float *,
                     int, int, int, int, void *, int);
 int quill_isa_used(int isa);
 int quill_gemv_i8(int, const uint8_t *, const float *, const float *, const float *, uint8_t *, float *, int, int, int, int, int, int);
@@ -149,7 +149,7 @@ static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float
     if (w->kind == 0) quill_gemv_q4_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind == 1) quill_gemv_q8_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind == 3)
-        quill_amx_gemv(w->amx, w->codes, w->scale, w->mins, w->scale_d, w->mins_d, x, out, N, K, B, ld, sums, nt);
+        quill_tiled_gemv(w->amx, w->codes, w->scale, w->mins, w->scale_d, w->mins_d, x, out, N, K, B, ld, sums, nt);
     else if (w->kind >= BLOCKS_FIRST && w->kind <= BLOCKS_LAST)
         quill_gemv_kq(w->kind - BLOCKS_FIRST, w->codes, x, sums, out, N, K, B, ld, m->isa, nt);
     else if (w->kind == SPLIT) {

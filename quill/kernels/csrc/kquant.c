@@ -48,6 +48,8 @@
 
 int quill_isa_used(int isa);
 int quill_gemv_tiles_exact(int, const uint8_t *, const float *, const float *, uint8_t *, float *, int, int, int, int, int);
+int quill_gemv_tiled_exact(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
+                           const float *, const float *, uint8_t *, float *, int, int, int, int, int);
 long quill_digits_bytes(int B, int K);
 int quill_gemv_tiles_f32_avx2(int, const uint8_t *, const float *, const float *, float *, int, int, int, int, int);
 
@@ -536,6 +538,18 @@ long quill_gemv_kq_scratch_bytes(int B, int K) { return 4L * B * (K / 16) + quil
  * xs: scratch of quill_gemv_kq_scratch_bytes(B, K) (the sums of x the mins need: per 32 weights, Q2_K per
  * 16; and the VNNI tiles' digits).
  * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: this call's OpenMP team. */
+/* quill_gemv_kq for a K-quant weight in the tiled layout (kind 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K; the
+ * pointers as amx_gemv.c's header states) on the VNNI tiles (kquant_i8.c's quill_gemv_tiled_exact), with the
+ * same sums of x and the same digits, so the same outputs as the blocks give. xs: scratch of
+ * quill_gemv_kq_scratch_bytes(B, K). Returns 0, or -1 (nothing written) where the CPU has no VNNI. */
+int quill_gemv_kq_tiled(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins, const uint16_t *scale_d,
+                        const uint16_t *mins_d, const float *x, float *xs, float *out, int N, int K, int B, int ld,
+                        int threads) {
+    if (HAS_MIN(kind)) kq_group_sums(x, xs, B, K, 32);
+    return quill_gemv_tiled_exact(kind, codes, scale, mins, scale_d, mins_d, x, xs, (uint8_t *)(xs + (long)B * (K / 16)),
+                                  out, N, K, B, ld, threads);
+}
+
 void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                    int isa, int threads) {
     const long row_bytes = quill_kq_row_bytes(kind, K);

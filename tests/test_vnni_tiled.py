@@ -1,0 +1,108 @@
+"""K-quant weights in the tiled layout on the VNNI tiles (tiled.for_cpu where AMX does not tile: a Zen 4, or
+QUILL_NO_AMX=1): csrc/kquant_i8.c's quill_gemv_tiled_exact reads the AMX tiled layout and fills the same
+tiles as the VNNI kernel on the file's blocks, so its outputs are those, bit for bit, at every batch; the
+loader takes that layout and an engine's logits do not change. Natively where the CPU has AVX-512 VNNI,
+else on the emulation build (conftest.py's avx512_kernels)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from quill.bench.synth import MODELS, random_blocks, write_synth
+from quill.kernels import native, tiled
+from quill.kernels.kquant import BlockWeight, block_weight
+from quill.kernels.options import KernelOptions, use
+from quill.kernels.packed import PackedLinear, SplitWeight, Workspace
+
+TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="native kernels need x86-64 AVX2/FMA and gcc")
+OPTIONS = KernelOptions(isa=512, amx=False, threads=2)
+
+
+def _weight(qtype, rows=48, cols=512, seed=0) -> BlockWeight:
+    raw = np.ascontiguousarray(random_blocks(qtype.name, rows, cols, np.random.default_rng(seed))).view(np.uint8)
+    return block_weight(qtype, (rows, cols), raw)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_tiled_for_vnni_gives_the_blocks_outputs_bit_for_bit(qtype, avx512_kernels):
+    blocks = _weight(qtype)
+    with use(OPTIONS):
+        w = tiled.for_cpu(blocks)
+        assert isinstance(w, tiled.TiledWeight) and w.vnni and w.native_kind & 64
+        assert w.nbytes <= 1.1 * blocks.nbytes
+        ref_lin, lin = PackedLinear(blocks, None, Workspace()), PackedLinear(w, None, Workspace())
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(40, blocks.cols, generator=gen)
+        x[3, 7] = float("nan")  # one item's NaN stays in its own row
+        x[5] = 0.0
+        exact = x.double() @ blocks.dequantize().double().T
+        for batch in (1, 2, 7, 16, 17, 40):
+            got, want = torch.empty(batch, w.rows), torch.empty(batch, w.rows)
+            lin.gemv(x[:batch].contiguous(), got)
+            ref_lin.gemv(x[:batch].contiguous(), want)
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), batch
+            fine = ~exact[:batch].isnan().any(1)
+            err = (got[fine].double() - exact[:batch][fine]).abs().max() / exact[:batch][fine].abs().max()
+            assert err < 1e-5, (batch, err.item())
+        alone = torch.empty(1, w.rows)
+        lin.gemv(x[9:10].clone(), alone)
+        batched = torch.empty(16, w.rows)
+        lin.gemv(x[:16].contiguous(), batched)
+        assert torch.equal(alone[0], batched[9])  # batch-invariant
+        # prefill-sized inputs dequantize the tiles: the same weights, so the same product
+        assert torch.equal(w.dequantize(), blocks.dequantize())
+        assert torch.equal(lin(x[:24].nan_to_num()), ref_lin(x[:24].nan_to_num()))
+        ids = torch.tensor([0, 17, 47, 5])
+        assert torch.equal(w.dequantize_rows(ids), blocks.dequantize_rows(ids))
+
+
+@needs_kernels
+def test_for_cpu_tiles_only_k_quants_and_only_without_amx_or_int8(avx512_kernels):
+    q4k, q5_0 = _weight(Q.Q4_K), _weight(Q.Q5_0, cols=64)
+    with use(OPTIONS):
+        assert isinstance(tiled.for_cpu(q4k), tiled.TiledWeight)
+        assert tiled.for_cpu(q5_0) is q5_0  # a block kind the tiles do not take keeps its layout
+        split = tiled.for_cpu(SplitWeight([q4k, q5_0]))
+        assert isinstance(split.parts[0], tiled.TiledWeight) and split.parts[1] is q5_0
+        assert tiled.for_cpu(_weight(Q.Q4_K, rows=40)).__class__ is BlockWeight  # rows not in whole tiles
+    with use(dataclasses.replace(OPTIONS, int8=True)):  # the int8 kernels read the blocks
+        assert tiled.for_cpu(q4k) is q4k
+    with use(dataclasses.replace(OPTIONS, isa=256)):  # the AVX2 kernels read the blocks
+        assert tiled.for_cpu(q4k) is q4k
+
+
+@needs_kernels
+def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(tmp_path, monkeypatch, avx512_kernels):
+    """A small Llama-shaped Q4_K_M file (Q4_K, Q6_K, a tied Q6_K head): with AMX off, its K-quant weights load
+    tiled for VNNI, and one prefill's logits and the fused decode steps' are those of the blocks' layout."""
+    from quill.config import CacheConfig, EngineConfig
+    from quill.engine.consistency import prefill_vs_decode
+    from quill.engine.engine import LLMEngine
+
+    shape = dataclasses.replace(MODELS["llama-3.2-1b"], hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
+    path = tmp_path / "small-Q4_K_M.gguf"
+    write_synth(path, shape, "Q4_K_M", num_layers=2, vocab=512)
+    monkeypatch.setenv("QUILL_NO_AMX", "1")
+    monkeypatch.delenv("QUILL_NO_AVX512", raising=False)
+
+    def engine():
+        return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks_override=16)))
+
+    tiled_engine = engine()
+    weights = [getattr(m, "weight", None) for m in tiled_engine.runner.model.modules()]
+    parts = [p for w in weights for p in getattr(w, "parts", [w])]
+    kinds = {p.kind for p in parts if isinstance(p, tiled.TiledWeight) and p.vnni}
+    assert {"q4", "q6"} <= kinds, kinds
+    monkeypatch.setattr(tiled, "for_cpu", lambda w: w)
+    blocks_engine = engine()
+    ids = [(7 * i + 3) % 500 + 1 for i in range(40)]
+    a, b = prefill_vs_decode(tiled_engine, ids, 24)
+    a_ref, b_ref = prefill_vs_decode(blocks_engine, ids, 24)
+    assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
