@@ -618,17 +618,28 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
         }
     }
     const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
-#pragma GCC unroll 4
-    for (int cc = 0; cc < 4; cc++, src += run) {
-        if (kind == 0 || kind == 4) { /* byte i: line i's code in its low nibble, line 8 + i's in its high */
+#pragma GCC unroll 1
+    for (int cc = 0; cc < 4; cc++, src += run) { /* a chunk at a time: its 16 lines unrolled, its dots in registers */
+        __m512i acc[3][4];
+        const int nd = f ? f->nd : 0;
+        for (int p = 0; p < nd; p++)
+            for (int k = 0; k < 4; k++) acc[p][k] = _mm512_setzero_si512();
+#define PUT(line, v)                                                                                          \
+    do {                                                                                                      \
+        const __m512i v_ = (v);                                                                               \
+        if (!f) t->c[16 * cc + (line)] = v_;                                                                  \
+        else for (int p = 0; p < nd; p++)                                                                     \
+            acc[p][(line) / 4] = _mm512_dpbusd_epi32(acc[p][(line) / 4], v_, bcast4(f->q[p] + 4 * (16 * cc + (line)))); \
+    } while (0)
+        if (kind == 0 || kind == 4) {
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) {
                 const __m512i v = _mm512_loadu_si512(src + 64 * i);
                 const __m512i lo = _mm512_and_si512(v, n4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
-                emit(t, f, 16 * cc + i, kind == 4 ? _mm512_shuffle_epi8(table, lo) : lo);
-                emit(t, f, 16 * cc + 8 + i, kind == 4 ? _mm512_shuffle_epi8(table, hi) : hi);
+                PUT(i, kind == 4 ? _mm512_shuffle_epi8(table, lo) : lo);
+                PUT(8 + i, kind == 4 ? _mm512_shuffle_epi8(table, hi) : hi);
             }
-        } else if (kind == 5) { /* the nibbles as q4's, then 128 bytes: bit k of byte i is bit 4 of line 2k + i / 64's */
+        } else if (kind == 5) {
 #pragma GCC unroll 2
             for (int i = 0; i < 128; i += 64) {
                 const __m512i h = _mm512_loadu_si512(src + 512 + i);
@@ -637,10 +648,10 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                     const __m512i v = _mm512_loadu_si512(src + (128 * k + i) % 512);
                     const __m512i lo = k < 4 ? _mm512_and_si512(v, n4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, k), _mm512_set1_epi8(1));
-                    emit(t, f, 16 * cc + 2 * k + i / 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+                    PUT(2 * k + i / 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
                 }
             }
-        } else { /* Q6_K: the low 4 bits as q4's, then 256 bytes: bits 2k, 2k + 1 of byte i the top two of line 4k + i / 64's */
+        } else {
 #pragma GCC unroll 4
             for (int i = 0; i < 256; i += 64) {
                 const __m512i h = _mm512_loadu_si512(src + 512 + i);
@@ -649,10 +660,13 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                     const __m512i v = _mm512_loadu_si512(src + (256 * k + i) % 512);
                     const __m512i lo = k < 2 ? _mm512_and_si512(v, n4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, 2 * k), _mm512_set1_epi8(3));
-                    emit(t, f, 16 * cc + 4 * k + i / 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4))); /* q = q - 32 + 32 */
+                    PUT(4 * k + i / 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
                 }
             }
         }
+#undef PUT
+        for (int p = 0; p < nd; p++)
+            for (int k = 0; k < 4; k++) f->d[p][4 * cc + k] = acc[p][k];
     }
 }
 
