@@ -517,7 +517,7 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
                             if (tiles > 3) Q6_PRODUCTS(3, 3, ac + 3072, E);
                         }
                         if (c + 1 < C) {
-                            prefetch_block2(blk + (c + 1) * 768L, 768);
+                            prefetch_block(blk + (c + 1) * 768L, 768);
                             unpack_q6_levels(blk + (c + 1) * 768L, scb + (c + 1) * 64L, staged[(c + 1) & 1][0],
                                              staged[(c + 1) & 1][1]);
                         }
@@ -584,11 +584,10 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                 for (int c = 0; c <= C; c++) {
                     const int p = c & 1;
                     if (c < C) {
-                        /* the hardware prefetcher alone leaves the weight stream short of bandwidth (simd.h's
-                         * two steps; from memory at batch 1 they took 0.88x the time of T0 4096 bytes ahead
-                         * for Q4_K, 0.92x for Q8_0 and Q6_K, which took 0.86-0.93x that of the 4 tiles
-                         * ahead before it) */
-                        prefetch_block2((const uint8_t *)codes + ((long)rb * C + c) * tile_bytes(kind), tile_bytes(kind));
+                        /* the hardware prefetcher alone leaves the weight stream short of bandwidth (simd.h;
+                         * STREAM_AHEAD rather than the 4 tiles before: Q4_K from memory at batch 1 took
+                         * 0.86-0.93x the time with one T0 prefetch) */
+                        prefetch_block((const uint8_t *)codes + ((long)rb * C + c) * tile_bytes(kind), tile_bytes(kind));
                         if (c == 0 && b0 == 0 && rb + 1 < RB) { /* and the next block's scales and mins */
                             const long gbytes = group_bytes(&sv);
                             for (long i = 0; i < (long)G * gbytes; i += 64) {

@@ -12,35 +12,30 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* A row kernel's weight stream, asked for STREAM_AHEAD bytes ahead of where it reads (rows are read one
- * after another, so this runs on into the next rows; a prefetch past the end faults on nothing). The
- * hardware prefetcher alone left these kernels short of the bandwidth: Q8_0 rows at batch 1, 8192 x 2048
- * from memory on the Intel Xeon, read 14-16 GB/s without and 24-27 GB/s with it (4096 bytes ahead; 1024:
- * 22, 2048: 24, 8192 and 12288: 26). Scales and mins, when a format keeps them apart, are their own
- * stream, asked for the same number of rows ahead. */
+/* A kernel's weight stream, asked for ahead of where it reads (rows are read one after another, so this
+ * runs on into the next rows; a prefetch past the end faults on nothing), in two steps: into L2 twice
+ * `ahead` bytes ahead, then into L1 half `ahead` ahead. The hardware prefetcher alone left these kernels
+ * short of the bandwidth: Q8_0 rows at batch 1, 8192 x 2048 from memory on the Intel Xeon, read 14-16
+ * GB/s without and 24-27 GB/s with one T0 prefetch 4096 bytes ahead (1024: 22, 2048: 24, 8192 and 12288:
+ * 26). A T0 prefetch holds one of the core's few L1 fill buffers until its line arrives, which caps the
+ * misses in flight; into L2 the requests queue deeper. The two steps, against that one T0 prefetch, from
+ * memory at batch 1 with AVX-512: the AMX tiles (16384 x 2048 x 22 copies) Q4_K 0.88x the time, Q8_0
+ * 0.92x, Q6_K 0.93x (far 16384 or near 512-2048, or T2 for the far step: the same within 2%); Q8_0 rows
+ * 0.89-0.90x, F16 rows 0.87x, the VNNI tiles of a whole 1B Q4_K_M model 0.95x; Q4_0, Q3_K and Q5_0 rows
+ * and, on AVX2, Q8_0 rows and the K-quant tiles within noise (0.99-1.03x). Scales and mins, when a format
+ * keeps them apart, are their own stream, asked for the same number of rows ahead. */
 #define STREAM_AHEAD 4096
 /* A macro: as a static inline function GCC may leave it uninlined, mark it const (a prefetch has no
  * effect it models) and delete every call as dead code. */
-#define prefetch_ahead(p, ahead) _mm_prefetch((const char *)(p) + (ahead), _MM_HINT_T0)
+#define prefetch_ahead(p, ahead)                                                                    \
+    do {                                                                                            \
+        _mm_prefetch((const char *)(p) + 2 * (ahead), _MM_HINT_T1);                                 \
+        _mm_prefetch((const char *)(p) + (ahead) / 2, _MM_HINT_T0);                                 \
+    } while (0)
 /* The n bytes at p, STREAM_AHEAD ahead: one request per 64 bytes (a block of a row read at once). */
 #define prefetch_block(p, n)                                                                        \
     do {                                                                                            \
         for (long o_ = 0; o_ < (long)(n); o_ += 64) prefetch_ahead((const char *)(p) + o_, STREAM_AHEAD); \
-    } while (0)
-
-/* The same stream asked for in two steps: into L2 STREAM_FAR bytes ahead, then into L1 STREAM_NEAR
- * ahead. A T0 prefetch holds one of the core's few L1 fill buffers until its line arrives, which caps
- * the misses in flight; into L2 the requests queue deeper. The AMX tiles' weight stream from memory (Q4_K
- * and IQ4_XS, 16384 x 2048 x 22 copies, batch 1) took 0.87-0.88x the time of T0 alone 4096 ahead (T1
- * alone at 4096: 0.95x; far 16384 or near 512-2048, or T2 for the far step: the same within 2%). */
-#define STREAM_FAR 8192
-#define STREAM_NEAR 2048
-#define prefetch_block2(p, n)                                                                       \
-    do {                                                                                            \
-        for (long o_ = 0; o_ < (long)(n); o_ += 64) {                                               \
-            _mm_prefetch((const char *)(p) + o_ + STREAM_FAR, _MM_HINT_T1);                         \
-            _mm_prefetch((const char *)(p) + o_ + STREAM_NEAR, _MM_HINT_T0);                        \
-        }                                                                                           \
     } while (0)
 
 /* F(args..., nb) with nb a constant 1..8 (the always-inline row kernels keep their accumulators in
