@@ -639,28 +639,19 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                 PUT(i, kind == 4 ? _mm512_shuffle_epi8(table, lo) : lo);
                 PUT(8 + i, kind == 4 ? _mm512_shuffle_epi8(table, hi) : hi);
             }
-        } else if (kind == 5) {
-#pragma GCC unroll 2
-            for (int i = 0; i < 128; i += 64) {
+        } else { /* Q5_K (w = 1), Q6_K (w = 2): the nibbles as q4's, then a plane of the codes' top w bits, bits
+                  * w k .. w k + w - 1 of its byte i for line (span k + i) / 64 */
+            const int w = kind == 5 ? 1 : 2, parts = 8 / w, span = 1024 / parts;
+            const __m512i top = _mm512_set1_epi8((char)((1 << w) - 1));
+#pragma GCC unroll 4
+            for (int i = 0; i < span; i += 64) {
                 const __m512i h = _mm512_loadu_si512(src + 512 + i);
 #pragma GCC unroll 8
-                for (int k = 0; k < 8; k++) {
-                    const __m512i v = _mm512_loadu_si512(src + (128 * k + i) % 512);
-                    const __m512i lo = k < 4 ? _mm512_and_si512(v, n4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, k), _mm512_set1_epi8(1));
-                    PUT(2 * k + i / 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
-                }
-            }
-        } else {
-#pragma GCC unroll 4
-            for (int i = 0; i < 256; i += 64) {
-                const __m512i h = _mm512_loadu_si512(src + 512 + i);
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; k++) {
-                    const __m512i v = _mm512_loadu_si512(src + (256 * k + i) % 512);
-                    const __m512i lo = k < 2 ? _mm512_and_si512(v, n4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, 2 * k), _mm512_set1_epi8(3));
-                    PUT(4 * k + i / 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+                for (int k = 0; k < parts; k++) {
+                    const __m512i v = _mm512_loadu_si512(src + (span * k + i) % 512);
+                    const __m512i lo = k < parts / 2 ? _mm512_and_si512(v, n4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, w * k), top);
+                    PUT((span * k + i) / 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4))); /* Q6_K: q - 32 + 32 */
                 }
             }
         }
