@@ -486,9 +486,11 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
         }
         _Alignas(64) uint8_t staged[2][2][1024];
         _Alignas(64) int32_t ctile[2][4 * 256];
+        int first = 1;
 #pragma omp for schedule(static)
         for (int rb = 0; rb < RB; rb++) {
             const uint8_t *blk = (const uint8_t *)codes + (long)rb * C * 768;
+            if (first) { prefetch_start(blk); first = 0; }
             const int8_t *scb = sc8 + (long)rb * G16 * 16;
             for (int b0 = 0; b0 < B; b0 += ITEMS) {
                 const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (nb + 3) / 4, two = tiles <= 2;
@@ -573,9 +575,11 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
         config_tiles(R < 16 ? R : 16);
         _Alignas(64) uint8_t staged[2][1024];
         _Alignas(64) int32_t ctile[2][MAX_TILES * 16 * 16];
+        int first = 1; /* this thread's first row block (simd.h's prefetch_start) */
 #pragma omp for schedule(static)
         for (int rb = 0; rb < RB; rb++) {
             const long g0 = (long)rb * G; /* this block's first group */
+            if (first) { prefetch_start((const uint8_t *)codes + (long)rb * C * tile_bytes(kind)); first = 0; }
             for (int b0 = 0; b0 < B; b0 += ITEMS) {
                 const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (ROWS_PER_ITEM * nb + 15) / 16;
                 __m512 acc[ITEMS];
