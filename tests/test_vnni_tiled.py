@@ -106,3 +106,35 @@ def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(tmp_path, mo
     a, b = prefill_vs_decode(tiled_engine, ids, 24)
     a_ref, b_ref = prefill_vs_decode(blocks_engine, ids, 24)
     assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
+
+
+@needs_kernels
+def test_the_vnni_quill_layout_maps_the_same_tiles(tmp_path, monkeypatch, avx512_kernels):
+    """`quill convert --layout vnni` writes the K-quants as the VNNI tiles (auto picks it without AMX): the
+    file loads the same objects as the GGUF does on such an engine, with the same logits; an engine that
+    does not run the VNNI tiles (int8 activations here) refuses it naming what to do."""
+    from quill.bench.accuracy import position_logits
+    from quill.models import quillfile
+    from quill.models.convert import convert
+    from quill.models.loader import load_model
+
+    monkeypatch.setenv("QUILL_NO_AMX", "1")
+    monkeypatch.delenv("QUILL_NO_AVX512", raising=False)
+    monkeypatch.delenv("QUILL_INT8_ACTIVATIONS", raising=False)
+    shape = dataclasses.replace(MODELS["llama-3.2-1b"], hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
+    src = tmp_path / "small-Q4_K_M.gguf"
+    write_synth(src, shape, "Q4_K_M", num_layers=1, vocab=512)
+    assert quillfile.resolve_layout("auto") == "vnni"
+    out = tmp_path / "small.quill"
+    assert convert(src, out, progress=False).layout == "vnni"  # verified tensor by tensor before the rename
+    qf = quillfile.QuillFile(out, check_cpu=False)
+    assert "avx512vnni" in qf.required_features and '"vnni": true' in qf.meta["quill.structure"]
+    mapped, direct = load_model(str(out), context_len=64), load_model(str(src), context_len=64)
+    assert mapped.model.resident_bytes() == direct.model.resident_bytes()
+    down = mapped.model.layers[0].mlp.down_proj.weight
+    assert isinstance(down, tiled.TiledWeight) and down.vnni
+    ids = [(5 * i + 2) % 500 + 1 for i in range(20)]
+    assert torch.equal(position_logits(mapped, ids), position_logits(direct, ids))
+    monkeypatch.setenv("QUILL_INT8_ACTIVATIONS", "1")
+    with pytest.raises(quillfile.QuillFileError, match="VNNI.*--layout portable"):
+        load_model(str(out), context_len=64)

@@ -17,9 +17,11 @@ def register(subparsers) -> None:
     p.add_argument("--output", "-o", default=None, help="the .quill file to write (default: ./<model name>.quill)")
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8: quantize an fp16/bf16/fp32 folder's linear layers (as quill serve --quantize int8)")
-    p.add_argument("--layout", choices=["auto", "portable", "amx"], default="auto",
+    p.add_argument("--layout", choices=["auto", "portable", "amx", "vnni"], default="auto",
                    help="CPU layout: portable (AVX2/AVX-512 kernels: any x86-64 with AVX2+FMA+F16C), amx (q4/q8 "
-                        "weights as AMX tiles; loads only on CPUs with AMX-INT8); auto: amx where this CPU has it")
+                        "and K-quant weights as AMX tiles; loads only on CPUs with AMX-INT8), vnni (K-quant weights "
+                        "as the VNNI kernels' tiles; loads only on CPUs with AVX-512 VNNI); auto: amx where this CPU "
+                        "has it, else vnni where it has AVX-512 VNNI, else portable")
     p.add_argument("--force", action="store_true", help="overwrite the output if it exists")
     p.set_defaults(func=run)
 

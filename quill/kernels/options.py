@@ -30,12 +30,15 @@ class KernelOptions:
     every weight type that has an int8 kernel (csrc/kquant_i8.c: Q4_K, Q5_K, Q6_K, IQ4_XS and the
     q4/q8 layouts of Q4_0, Q4_1, Q5_1, Q8_0; AVX-512 VNNI tiles with isa 512 where the CPU has VNNI,
     else csrc/kquant_i8_avx2.c: AVX2 tiles for the K-quants, rows for the layouts); the others, and
-    everything outside linears, stay exact."""
+    everything outside linears, stay exact; retile: weights loaded now may be rearranged into the tiled
+    layout (AMX's, or without it the VNNI tiles' for the K-quants: kernels/tiled.py), False keeping each
+    file's own layouts (quill convert's portable objects)."""
 
     isa: int = 256
     amx: bool = False
     threads: int = 1
     int8: bool = False
+    retile: bool = True
 
     @property
     def isa_name(self) -> str:

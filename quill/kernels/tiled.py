@@ -119,16 +119,16 @@ def available(opts: options.KernelOptions | None = None) -> bool:
     else the environment) allow AMX and the OS grants the tile state."""
     lib = native.load()
     opts = opts or options.current()
-    return lib is not None and opts.amx and bool(lib.quill_amx_enable())
+    return lib is not None and opts.amx and opts.retile and bool(lib.quill_amx_enable())
 
 
 def vnni_available(opts: options.KernelOptions | None = None) -> bool:
     """Whether K-quant weights loaded now take the tiled layout for the VNNI tiles instead (where AMX does not
-    tile them): the options ask for the AVX-512 kernels with exact activations (int8 activations keep the
-    blocks, which their kernels read) and the CPU has AVX-512 VNNI."""
+    tile them): the options allow it (retile) and ask for the AVX-512 kernels with exact activations (int8
+    activations keep the blocks, which their kernels read), and the CPU has AVX-512 VNNI."""
     lib = native.load()
     opts = opts or options.current()
-    return lib is not None and opts.isa >= 512 and not opts.int8 and bool(lib.quill_hw_vnni())
+    return lib is not None and opts.retile and opts.isa >= 512 and not opts.int8 and bool(lib.quill_hw_vnni())
 
 
 def _blocked(t: torch.Tensor, rows: int, groups: int, half: bool) -> torch.Tensor:
@@ -179,6 +179,12 @@ def tile_weight(w) -> TiledWeight | None:
     return TiledWeight(w.kind, _tiles(codes, w.kind), _blocked(w.scale, n, w.groups, half), mins)
 
 
+def tile_for_vnni(w: BlockWeight) -> TiledWeight | None:
+    """A K-quant weight's tiled form for the VNNI tiles (None for other types or shapes): for_cpu's rule where
+    AMX does not tile."""
+    return _tile_kscales(w, vnni=True)
+
+
 def _tile_kscales(w: BlockWeight, vnni: bool = False) -> TiledWeight | None:
     if w.qtype not in KSCALE_TYPES or w.rows % ROWS:
         return None
@@ -203,7 +209,7 @@ def for_cpu(w):
         tile = tile_weight
     elif vnni_available():
         def tile(p):
-            return _tile_kscales(p, vnni=True) if isinstance(p, BlockWeight) else None
+            return tile_for_vnni(p) if isinstance(p, BlockWeight) else None
     else:
         return w
     if isinstance(w, SplitWeight):

@@ -80,8 +80,9 @@ def convert(source_path: str | Path | None, output: str | Path, quantize: str | 
     t = {"start": time.perf_counter()}
     sha = sha256 or source_sha256(src, progress)
     t["hash"] = time.perf_counter()
-    # Build the portable objects (AMX off); the amx layout tiles them while writing, as tiled.for_cpu would.
-    with options.use(dataclasses.replace(options.current(), amx=False)):
+    # Build the portable objects (the files' own layouts: no tiling at load); the amx and vnni layouts tile
+    # them while writing, as tiled.for_cpu would.
+    with options.use(dataclasses.replace(options.current(), amx=False, retile=False)):
         source = open_source(src, "cpu", quantize)
         recorder = quillfile.RecordingWeights(source.weights)
         build(source, "cpu", context_len=1, weights=recorder)  # its RoPE tables are not recorded: the shortest
@@ -126,8 +127,8 @@ def verify(path: Path, records: list, source, layout: str, progress: bool = True
         return None if name is None else qf.handle.get_tensor(name)
 
     for key, obj in records:
-        rebuilt = quillfile.decode(qf.specs[key], get, None, tiles=layout == "amx")
-        want = dict(quillfile.iter_tensors(obj, tile=layout == "amx"))
+        rebuilt = quillfile.decode(qf.specs[key], get, None, layout)
+        want = dict(quillfile.iter_tensors(obj, layout))
         got = dict(quillfile.iter_tensors(rebuilt))
         if want.keys() != got.keys() or not all(_same(want[k], got[k]) for k in want):
             raise quillfile.QuillFileError(f"{path.name}: {key} does not read back as written")

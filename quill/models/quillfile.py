@@ -39,8 +39,10 @@ from quill.config import ModelConfig, UnsupportedModelError
 
 SUFFIX = ".quill"
 FORMAT_VERSION = 1  # raise when the structure or a layout changes; older readers then refuse
-LAYOUTS = ("portable", "amx")  # portable: packed / GGUF blocks / dense (AVX2+FMA+F16C kernels); amx: + 16x64 tiles
-LAYOUT_FEATURES = {"portable": ("avx2", "fma", "f16c"), "amx": ("avx2", "fma", "f16c", "amx-int8")}
+LAYOUTS = ("portable", "amx", "vnni")  # portable: packed / GGUF blocks / dense (AVX2+FMA+F16C kernels); amx: + 16x64
+# tiles; vnni: the K-quants as the same tiles for the VNNI kernels (kernels/tiled.py), the rest as portable
+LAYOUT_FEATURES = {"portable": ("avx2", "fma", "f16c"), "amx": ("avx2", "fma", "f16c", "amx-int8"),
+                   "vnni": ("avx2", "fma", "f16c", "avx512vnni")}
 SMALL_ALIGN, LARGE_ALIGN, LARGE_TENSOR = 64, 4096, 64 * 1024
 PAD_PREFIX = "__pad__."
 TOKENIZER_TENSOR = "tokenizer.json"
@@ -126,7 +128,7 @@ class QuillWeights:
         self.qfile = qfile
         self.workspace = Workspace()
         self.specs = qfile.specs
-        self.tiles = qfile.layout == "amx"
+        self.layout = qfile.layout
         self._tensors: dict[str, torch.Tensor] = {}
         self._names = set(qfile.handle.keys())
 
@@ -140,7 +142,7 @@ class QuillWeights:
         return self._tensors[name]
 
     def _decode(self, key: str):
-        return decode(self._spec(key), self._get, self.workspace, self.tiles)
+        return decode(self._spec(key), self._get, self.workspace, self.layout)
 
     def rope_tables(self, key: tuple, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stored cos/sin for a (base, scaling), cut to `positions` rows, where they equal what would be
@@ -188,8 +190,8 @@ class QuillWeights:
 class _TensorTable:
     """Tensors to write, named by where they sit; a tensor met again (a tied head) keeps its first name."""
 
-    def __init__(self, tile: bool):
-        self.tile = tile  # the amx layout: weights become AMX tiles where tiled.for_cpu would tile them
+    def __init__(self, layout: str):
+        self.layout = layout  # amx / vnni: weights become tiles where tiled.for_cpu would tile them for that layout
         self.tensors: dict[str, torch.Tensor] = {}
         self._names: dict[tuple, str] = {}
         self._weights: dict[int, dict] = {}  # id(weight object) -> its spec: shared objects stay shared
@@ -235,19 +237,23 @@ def encode(obj, table: _TensorTable, name: str) -> dict:
 def _encode_weight(w, table: _TensorTable, name: str) -> dict:
     from quill.kernels.kquant import BlockWeight
     from quill.kernels.packed import PackedWeight, SplitWeight
-    from quill.kernels.tiled import TiledWeight, tile_weight
+    from quill.kernels.tiled import TiledWeight, tile_for_vnni, tile_weight
 
     original = id(w)  # a weight met again (a tied head) reuses its spec, tiled or not
     if original in table._weights:
         return table._weights[original]
-    if table.tile and isinstance(w, (PackedWeight, BlockWeight)):
+    if table.layout == "amx" and isinstance(w, (PackedWeight, BlockWeight)):
         w = tile_weight(w) or w  # exactly tiled.for_cpu's rule, split parts too
+    elif table.layout == "vnni" and isinstance(w, BlockWeight):
+        w = tile_for_vnni(w) or w
     if isinstance(w, TiledWeight) or isinstance(w, PackedWeight):
         spec = {"t": "tiled" if isinstance(w, TiledWeight) else "packed", "kind": w.kind,
                 "codes": table.put(name + ".codes", w.codes), "scale": table.put(name + ".scale", w.scale),
                 "mins": table.put(name + ".mins", w.mins)}
         if isinstance(w, TiledWeight) and w.scale_d is not None:  # K-quant scales: int8 times fp16 factors
             spec.update(scale_d=table.put(name + ".scale_d", w.scale_d), mins_d=table.put(name + ".mins_d", w.mins_d))
+        if isinstance(w, TiledWeight) and w.vnni:
+            spec["vnni"] = True
     elif isinstance(w, BlockWeight):
         spec = {"t": "blocks", "qtype": w.qtype.name, "blocks": table.put(name + ".blocks", w.blocks)}
     elif isinstance(w, SplitWeight):
@@ -258,10 +264,10 @@ def _encode_weight(w, table: _TensorTable, name: str) -> dict:
     return spec
 
 
-def decode(spec: dict, get: Callable[[str | None], torch.Tensor | None], workspace, tiles: bool = True):
+def decode(spec: dict, get: Callable[[str | None], torch.Tensor | None], workspace, layout: str = "amx"):
     """A spec and a tensor getter -> the object the source's weight source had built. Every tensor's dtype and
     shape is checked against its role first (the kernels take raw pointers: a mismatch must be a refusal, not
-    a read past an array); `tiles` False refuses AMX tiles (a portable file holds none)."""
+    a read past an array); tiles must be the file's `layout`'s (a portable file holds none)."""
     from quill.kernels.linear import DenseLinear
     from quill.kernels.packed import DenseEmbedding, PackedEmbedding, PackedLinear
 
@@ -272,10 +278,10 @@ def decode(spec: dict, get: Callable[[str | None], torch.Tensor | None], workspa
         weight = _checked(get(spec["weight"]), torch.float32, 2, "a dense weight")
         return DenseLinear(weight, _bias(get(spec["bias"]), weight.shape[0]))
     if kind == "packed_linear":
-        weight = _decode_weight(spec["weight"], get, tiles)
+        weight = _decode_weight(spec["weight"], get, layout)
         return PackedLinear(weight, _bias(get(spec["bias"]), weight.rows), workspace)
     if kind == "packed_embedding":
-        return PackedEmbedding(_decode_weight(spec["weight"], get, tiles))
+        return PackedEmbedding(_decode_weight(spec["weight"], get, layout))
     if kind == "dense_embedding":
         return DenseEmbedding(_checked(get(spec["weight"]), torch.float32, 2, "an embedding"))
     if kind == "rope":
@@ -299,7 +305,7 @@ def _bias(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return None if t is None else _checked(t, torch.float32, 1, "a bias", (rows,))
 
 
-def _decode_weight(spec: dict, get, tiles: bool = True):
+def _decode_weight(spec: dict, get, layout: str = "amx"):
     from gguf import GGMLQuantizationType
 
     from quill.kernels.kquant import BLOCK_BYTES, KINDS, BlockWeight
@@ -319,8 +325,12 @@ def _decode_weight(spec: dict, get, tiles: bool = True):
             mins = get(spec["mins"])
             return PackedWeight(spec["kind"], codes, scale,
                                 None if mins is None else _checked(mins, torch.float32, 2, "group mins", (rows, groups)))
-        if not tiles:
-            raise QuillFileError("the file's structure holds AMX tiles but its layout is not 'amx'")
+        vnni = bool(spec.get("vnni"))
+        if layout != ("vnni" if vnni else "amx"):
+            raise QuillFileError(f"the file's structure holds {'VNNI' if vnni else 'AMX'} tiles but its layout is "
+                                 f"{layout!r}")
+        if vnni and spec.get("scale_d") is None:
+            raise QuillFileError(f"VNNI {spec['kind']} tiles without K-quant scales in the file's structure")
         kscales = spec.get("scale_d") is not None
         if kscales and q8 or not kscales and spec["kind"] not in ("q4", "q8"):  # q4 tiles come either way
             raise QuillFileError(f"{spec['kind']} tiles {'with' if kscales else 'without'} K-quant scales in the "
@@ -338,7 +348,7 @@ def _decode_weight(spec: dict, get, tiles: bool = True):
         if not kscales:
             return TiledWeight(spec["kind"], codes, scale, mins)
         return TiledWeight(spec["kind"], codes, scale, mins, factors("scale_d"),
-                           None if mins is None else factors("mins_d"))
+                           None if mins is None else factors("mins_d"), vnni)
     if kind == "blocks":
         qtype = getattr(GGMLQuantizationType, str(spec.get("qtype")), None)
         if qtype not in KINDS:
@@ -348,7 +358,7 @@ def _decode_weight(spec: dict, get, tiles: bool = True):
             raise QuillFileError(f"{qtype.name} rows of {blocks.shape[1]} bytes are not whole blocks")
         return BlockWeight(qtype, blocks)
     if kind == "split":
-        parts = [_decode_weight(p, get, tiles) for p in spec.get("parts") or []]
+        parts = [_decode_weight(p, get, layout) for p in spec.get("parts") or []]
         if not parts or len({p.cols for p in parts}) != 1:
             raise QuillFileError("a split projection in the file's structure has no parts or parts of different widths")
         return SplitWeight(parts)
@@ -367,6 +377,8 @@ def cpu_features() -> set[str]:
         have |= set(LAYOUT_FEATURES["portable"])
     if options.hardware().amx:
         have.add("amx-int8")
+    if options.hardware().vnni:
+        have.add("avx512vnni")
     return have
 
 
@@ -388,6 +400,10 @@ def check_layout(layout: str, required: list[str], path: Path) -> None:
     if layout == "amx" and not tiled.available():
         raise QuillFileError(f"{path.name} holds AMX tiles, but AMX is turned off for this engine (QUILL_NO_AMX=1 "
                              "or amx=False); re-run `quill convert --layout portable`")
+    if layout == "vnni" and not tiled.vnni_available():
+        raise QuillFileError(f"{path.name} holds K-quant tiles for the VNNI kernels, which this engine does not run "
+                             "(QUILL_NO_AVX512=1, int8 activations, or isa avx2); re-run `quill convert --layout "
+                             "portable`")
 
 
 def resolve_layout(name: str) -> str:
@@ -395,7 +411,7 @@ def resolve_layout(name: str) -> str:
     from quill.kernels import tiled
 
     if name == "auto":
-        return "amx" if tiled.available() else "portable"
+        return "amx" if tiled.available() else "vnni" if tiled.vnni_available() else "portable"
     if name not in LAYOUTS:
         raise ValueError(f"--layout must be auto, {' or '.join(LAYOUTS)}; got {name!r}")
     return name
@@ -427,7 +443,7 @@ def write(path: str | Path, records: list[tuple[str, object]], metadata: dict[st
     from tqdm import tqdm
 
     path = Path(path)
-    table = _TensorTable(tile=layout == "amx")
+    table = _TensorTable(layout)
     structure = []
     for key, obj in records:
         kind, _, rest = key.partition(" ")
@@ -629,9 +645,9 @@ class QuillFile:
         return actual
 
 
-def iter_tensors(obj, tile: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor an object (as a weight source returns it) holds, with its place (tiled as the amx
-    layout writes it, with `tile`): to compare two builds."""
-    table = _TensorTable(tile=tile)
+def iter_tensors(obj, layout: str = "portable") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor an object (as a weight source returns it) holds, with its place (tiled as `layout`
+    writes it): to compare two builds."""
+    table = _TensorTable(layout)
     encode(obj, table, "x")
     yield from table.tensors.items()
