@@ -361,3 +361,32 @@ def test_emulated_rows_are_batch_invariant(case):
     full = emulated_gemv(t, x)
     for i in (0, 5, 18):
         np.testing.assert_array_equal(emulated_gemv(t, x[i : i + 1])[0], full[i])
+
+
+def test_the_amx_emulation_builds_and_runs_on_every_host():
+    """The emulated tile unit's library (native.load(emulate="amx"), built at -Og) is built here whatever the
+    CPU, so a kernel change that only that build rejects (a prefetch hint -Og does not fold to a constant)
+    fails on an AMX host too, not only on the hosts whose tests need it; where the CPU has AMX, its tiled
+    GEMV gives the hardware's bits."""
+    from quill.bench.synth import random_blocks
+    from quill.kernels import native
+    from quill.kernels.kquant import block_weight
+    from quill.kernels.tiled import tile_weight
+
+    if native.load() is None:
+        pytest.skip("native kernels need x86-64 AVX2/FMA and gcc")
+    emulated = native.load(emulate="amx")
+    assert emulated is not None, "simde-py is a test dependency: pip install -e '.[test]'"
+    assert emulated.quill_amx_hw() == 1 and emulated.quill_amx_enable() == 1
+    raw = np.ascontiguousarray(random_blocks("Q4_K", 32, 512, np.random.default_rng(2))).view(np.uint8)
+    w = tile_weight(block_weight(Q.Q4_K, (32, 512), raw))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+    scratch = torch.empty(emulated.quill_amx_scratch_bytes(3, 512) // 4 + 16)
+    out = torch.empty(3, 32)
+    emulated.quill_tiled_gemv(*w.native_args(), x.data_ptr(), out.data_ptr(), 32, 512, 3, 32, scratch.data_ptr(), 1)
+    exact = x.double() @ w.dequantize().double().T
+    assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
+    if native.load().quill_amx_enable():
+        hw = torch.empty(3, 32)
+        native.load().quill_tiled_gemv(*w.native_args(), x.data_ptr(), hw.data_ptr(), 32, 512, 3, 32, scratch.data_ptr(), 1)
+        assert torch.equal(out, hw)

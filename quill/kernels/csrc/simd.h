@@ -42,9 +42,10 @@ static inline float hsum8(__m256 v) {
  * have asked for by then, so the first lines do not wait a memory latency each (a 1B Q4_K_M model's AMX
  * GEMVs at batch 1: 0.98-0.99x the time in five runs; the VNNI tiles' within noise, so they go without). */
 #define prefetch_start(p)                                                                           \
-    do {                                                                                            \
-        for (long o_ = 0; o_ < 2 * STREAM_AHEAD; o_ += 64)                                          \
-            _mm_prefetch((const char *)(p) + o_, o_ < STREAM_AHEAD / 2 ? _MM_HINT_T0 : _MM_HINT_T1); \
+    do { /* (the hint a constant in each loop: at -Og, as the emulation builds are, GCC folds no other) */ \
+        for (long o_ = 0; o_ < STREAM_AHEAD / 2; o_ += 64) _mm_prefetch((const char *)(p) + o_, _MM_HINT_T0); \
+        for (long o_ = STREAM_AHEAD / 2; o_ < 2 * STREAM_AHEAD; o_ += 64)                           \
+            _mm_prefetch((const char *)(p) + o_, _MM_HINT_T1);                                      \
     } while (0)
 
 /* F(args..., nb) with nb a constant 1..8 (the always-inline row kernels keep their accumulators in
