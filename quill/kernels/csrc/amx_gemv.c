@@ -332,9 +332,7 @@ AMX static void split_chunk(const float *x, int B, int b, int c, int K, int8_t *
 
 /* 16 rows' scales (or mins) of one group. */
 AMX static inline __m512 load_group(const Scales *s, long group) {
-    if (s->fmt == 2) /* d * sc: an fp16 times a small integer, exact in fp32 */
-        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->d + (group >> s->shift) * 16))),
-                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)s->v + group * 16)))));
+    if (s->fmt == 2) return kscale_group((const int8_t *)s->v, s->d, group, s->shift); /* d * sc */
     return s->fmt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s->v + group * 16)))
                   : _mm512_loadu_ps((const float *)s->v + group * 16);
 }
@@ -606,8 +604,8 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
                         { /* chunk c's codes: q8's where they lie, the others unpacked a chunk ahead (below), so
                            * the tile load does not wait on the stores that made them (kernel alone, Q4_K in
                            * cache: 0.65-0.77x the time at batch 1) */
-                            if (c == 0 && !(kind & KIND_Q8)) tile_codes(kind, codes, (long)rb * C, staged[0]);
-                            const uint8_t *src = kind & KIND_Q8 ? (const uint8_t *)codes + ((long)rb * C + c) * 1024 : staged[p];
+                            const uint8_t *src = c == 0 || kind & KIND_Q8 ? tile_codes(kind, codes, (long)rb * C + c, staged[p])
+                                                                           : staged[p];
                             if (p) _tile_loadd(5, src, 64); else _tile_loadd(4, src, 64);
                         }
                         const int8_t *ac = a + ((long)c * R + (long)ROWS_PER_ITEM * b0) * 64;

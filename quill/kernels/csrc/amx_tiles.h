@@ -1,8 +1,11 @@
 /* What amx_gemv.c and amx_gemm.c share: whether the compiler has the AMX intrinsics, the kind bits of
- * amx_gemv.c's tiled layout (amx_gemm.c's quill_kq_gemm reads that layout too), the tile configuration
- * record, and the CPUID bits both probe. */
+ * amx_gemv.c's tiled layout (amx_gemm.c's quill_kq_gemm reads that layout too, and kquant_i8.c's VNNI
+ * tiles its K-quants), a K-quant scale group of that layout, the tile configuration record, and the CPUID
+ * bits both probe. */
 #ifndef QUILL_AMX_TILES_H
 #define QUILL_AMX_TILES_H
+#include "isa.h"
+
 #include <stdint.h>
 #include <string.h>
 
@@ -24,6 +27,13 @@
 #define KIND_Q6 16
 #define KIND_Q5 32
 #define KIND_VNNI 64
+
+/* 16 rows' values of K-quant scale (or min) group `group` of the tiled layout: the int8 per group times its
+ * fp16 factor (one per 2^shift groups), an fp16 times a small integer, so exact in fp32. */
+AVX512 static inline __m512 kscale_group(const int8_t *v, const uint16_t *d, long group, int shift) {
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (group >> shift) * 16))),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + group * 16)))));
+}
 
 /* LDTILECFG's 64-byte record (palette 1). */
 typedef struct {

@@ -532,12 +532,9 @@ long quill_kq_row_bytes(int kind, int K) {
  * VNNI tiles' digits of x. */
 long quill_gemv_kq_scratch_bytes(int B, int K) { return 4L * B * (K / 16) + quill_digits_bytes(B, K); }
 
-/* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
- * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS, 5 = Q5_K, 6 = F16, 7 = BF16, 8 = Q2_K, 9 = Q3_K);
- * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
- * xs: scratch of quill_gemv_kq_scratch_bytes(B, K) (the sums of x the mins need: per 32 weights, Q2_K per
- * 16; and the VNNI tiles' digits).
- * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: this call's OpenMP team. */
+/* Where the VNNI tiles' digits sit in quill_gemv_kq's scratch: after the sums of x (per 16 weights). */
+static inline uint8_t *kq_digits(float *xs, int B, int K) { return (uint8_t *)(xs + (long)B * (K / 16)); }
+
 /* quill_gemv_kq for a K-quant weight in the tiled layout (kind 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K; the
  * pointers as amx_gemv.c's header states) on the VNNI tiles (kquant_i8.c's quill_gemv_tiled_exact), with the
  * same sums of x and the same digits, so the same outputs as the blocks give. xs: scratch of
@@ -546,10 +543,16 @@ int quill_gemv_kq_tiled(int kind, const uint8_t *codes, const int8_t *scale, con
                         const uint16_t *mins_d, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                         int threads) {
     if (HAS_MIN(kind)) kq_group_sums(x, xs, B, K, 32);
-    return quill_gemv_tiled_exact(kind, codes, scale, mins, scale_d, mins_d, x, xs, (uint8_t *)(xs + (long)B * (K / 16)),
-                                  out, N, K, B, ld, threads);
+    return quill_gemv_tiled_exact(kind, codes, scale, mins, scale_d, mins_d, x, xs, kq_digits(xs, B, K), out, N, K,
+                                  B, ld, threads);
 }
 
+/* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
+ * 2 = Q5_0, 3 = IQ4_NL, 4 = IQ4_XS, 5 = Q5_K, 6 = F16, 7 = BF16, 8 = Q2_K, 9 = Q3_K);
+ * ld is out's row stride (N for a whole output, more when W is one part of a fused projection);
+ * xs: scratch of quill_gemv_kq_scratch_bytes(B, K) (the sums of x the mins need: per 32 weights, Q2_K per
+ * 16; and the VNNI tiles' digits).
+ * isa: 512 = the AVX-512 rows where the CPU has them, else AVX2; threads: this call's OpenMP team. */
 void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                    int isa, int threads) {
     const long row_bytes = quill_kq_row_bytes(kind, K);
@@ -559,7 +562,7 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
         kq_group_sums(x, xs, B, K, 16);
     else if (HAS_MIN(kind))
         kq_group_sums(x, xs, B, K, 32);
-    if (wide && quill_gemv_tiles_exact(kind, blocks, x, xs, (uint8_t *)(xs + (long)B * (K / 16)), out, N, K, B, ld, threads) == 0)
+    if (wide && quill_gemv_tiles_exact(kind, blocks, x, xs, kq_digits(xs, B, K), out, N, K, B, ld, threads) == 0)
         return; /* VNNI CPUs: the tiles of kquant_i8.c for the kinds they take */
     if (!wide && quill_gemv_tiles_f32_avx2(kind, blocks, x, xs, out, N, K, B, ld, threads) == 0)
         return; /* AVX2: kquant_i8_avx2.c's 8-row tiles for the same kinds */

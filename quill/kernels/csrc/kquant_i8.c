@@ -31,6 +31,7 @@
  */
 #include "isa.h"
 
+#include "amx_tiles.h"
 #include "digits.h"
 #include "kquant_i8.h"
 #include "simd.h"
@@ -585,13 +586,6 @@ int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, cons
  * table's signed values (+128 as decode_blocks makes them), and the tiled mins are -dmin times m (negated
  * back, exactly). So the outputs are bit-identical to quill_gemv_tiles_exact's on the blocks. */
 
-/* 16 rows' values of scale group `group` of the tiled layout: the int8 per group times its fp16 factor
- * (per 2^shift groups), exact in fp32, as amx_gemv.c's load_group. */
-VNNI static inline __m512 tiled_group(const int8_t *v, const uint16_t *d, long group, int shift) {
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (group >> shift) * 16))),
-                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + group * 16)))));
-}
-
 /* Bytes of one 64-column run of 16 rows' codes in the tiled layout, per block kind. */
 static inline long tiled_run_bytes(int kind) { return kind == 1 ? 768 : kind == 5 ? 640 : 512; }
 
@@ -608,13 +602,13 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
     const __m512i n4 = _mm512_set1_epi8(15);
     if (kind == 1) {
         const long G16 = K / 16;
-        for (int c = 0; c < 16; c++) t->sc[c] = tiled_group(w->scale, w->scale_d, rb * G16 + 16 * b + c, 4);
+        for (int c = 0; c < 16; c++) t->sc[c] = kscale_group(w->scale, w->scale_d, rb * G16 + 16 * b + c, 4);
     } else {
         const long G = K / 32;
         for (int u = 0; u < 8; u++) {
-            t->sc[u] = tiled_group(w->scale, w->scale_d, rb * G + 8 * b + u, 3);
+            t->sc[u] = kscale_group(w->scale, w->scale_d, rb * G + 8 * b + u, 3);
             if (kind != 4) /* -(-dmin * m): dmin * m, as decode_blocks */
-                t->mn[u] = _mm512_xor_ps(tiled_group(w->mins, w->mins_d, rb * G + 8 * b + u, 3), _mm512_set1_ps(-0.0f));
+                t->mn[u] = _mm512_xor_ps(kscale_group(w->mins, w->mins_d, rb * G + 8 * b + u, 3), _mm512_set1_ps(-0.0f));
         }
     }
     const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
