@@ -696,6 +696,17 @@ VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, 
             memset(acc, 0, sizeof(float) * 16 * nc);
             for (long b = 0; b < nblk; b++) {
                 prefetch_block(w->codes + ((long)rb * C + 4 * b) * run, 4 * run);
+                { /* and the scale streams, apart from the codes (from memory at batch 1, 16384 x 2048 x 22
+                   * copies, AMX off on the Intel Xeon: Q4_K 0.94-0.96x the time without them, IQ4_XS 0.95x,
+                   * Q6_K 0.89-0.90x; the AMX kernel asks for its own) */
+                    const long sb = (long)rb * nblk + b, per = kind == 1 ? 256 : 128; /* 16 rows' int8 scales */
+                    prefetch_block(w->scale + sb * per, per);
+                    prefetch_block(w->scale_d + sb * 16, 32);
+                    if (w->mins) {
+                        prefetch_block(w->mins + sb * per, per);
+                        prefetch_block(w->mins_d + sb * 16, 32);
+                    }
+                }
                 if (nc == 1) {
                     one_tiled(kind, w, K, rb, b, digits, acc, c0);
                     continue;
