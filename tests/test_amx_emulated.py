@@ -87,9 +87,9 @@ def a_rows(B: int) -> int:
     return ROWS_PER_ITEM * B if B <= 2 else (ROWS_PER_ITEM * B + 15) & ~15
 
 
-def reduce_add(v: np.ndarray) -> F32:
-    """_mm512_reduce_add_ps after the lane-wise v0 + v1: halves added in fp32 until one lane is left."""
-    v = v[:16] + v[16:]
+def sum32(v: np.ndarray) -> F32:
+    """simd.h's sum32: the four 8-lane quarters added as (q0 + q1) + (q2 + q3), then hsum8's halves."""
+    v = (v[:8] + v[8:16]) + (v[16:24] + v[24:])
     while len(v) > 1:
         v = v[: len(v) // 2] + v[len(v) // 2 :]
     return F32(v[0])
@@ -127,7 +127,7 @@ def split(x: np.ndarray):
             for h in range(2):
                 g = 2 * c + h
                 grp = x[b, GROUP * g : GROUP * (g + 1)]
-                xs[b, g] = reduce_add(grp)
+                xs[b, g] = sum32(grp)
                 _, digits, xscale[b, g] = split_group(grp)
                 if digits is not None:
                     rows[3 * h : 3 * h + 3, 32 * h : 32 * h + 32] = digits.astype(np.int8)
@@ -161,9 +161,10 @@ def fma32(a, b, c):
     return (np.float64(a) * np.float64(b) + np.float64(c)).astype(F32)
 
 
-def combine(acc, r: np.ndarray, q8: bool, s0, s1, xs0, xs1):
-    """acc (16,) fp32 += one item's 6 C rows (r, (6, 16) int64) recombined and scaled."""
-    for h, (s, xsc) in enumerate(((s0, xs0), (s1, xs1))):
+def combine(acc, r: np.ndarray, q8: bool, s, m, xsc, xs):
+    """acc (16,) fp32 += one item's 6 C rows (r, (6, 16) int64) recombined, times the unit then the scale, then
+    the min (m: None without) times the group's sum, for each of the chunk's two groups."""
+    for h in range(2):
         c0, c1, c2 = r[3 * h], r[3 * h + 1], r[3 * h + 2]
         lo = c0 + c1 * DIGIT
         if q8:
@@ -172,7 +173,9 @@ def combine(acc, r: np.ndarray, q8: bool, s0, s1, xs0, xs1):
             total = lo + c2 * DIGIT * DIGIT
             assert np.abs(total).max() < 2**31, "q4 recombination overflows int32"
             f = total.astype(F32)
-        acc = fma32(f, s * F32(xsc), acc)
+        acc = fma32(f * F32(xsc[h]), s[h], acc)  # a power of two: exact
+        if m is not None:
+            acc = fma32(m[h], xs[h], acc)
     return acc
 
 
@@ -193,19 +196,15 @@ def emulated_gemv(t: tiled.TiledWeight, x: np.ndarray, products: list | None = N
                 w = weight_tile(t, rb * C + c)
                 ac = a[c, ROWS_PER_ITEM * b0 :]
                 ctile = np.concatenate([tile_product(ac[16 * q : 16 * q + m], w) for q in range(tiles)])
-                s0, s1 = group_values(t, "scale", g0 + 2 * c), group_values(t, "scale", g0 + 2 * c + 1)
+                s = [group_values(t, "scale", g0 + 2 * c + h) for h in range(2)]
+                mn = None if t.mins is None else [group_values(t, "mins", g0 + 2 * c + h) for h in range(2)]
                 for i in range(nb):
                     r = ctile[ROWS_PER_ITEM * i : ROWS_PER_ITEM * (i + 1)]
                     if products is not None:
                         for h in range(2):
                             dot = r[3 * h] + r[3 * h + 1] * DIGIT + r[3 * h + 2] * DIGIT * DIGIT
                             products.append((b0 + i, rb, 2 * c + h, dot))
-                    acc[i] = combine(acc[i], r, q8, s0, s1, xscale[b0 + i, 2 * c], xscale[b0 + i, 2 * c + 1])
-            if t.mins is not None:
-                for g in range(G):
-                    mg = group_values(t, "mins", g0 + g)
-                    for i in range(nb):
-                        acc[i] = fma32(mg, xs[b0 + i, g], acc[i])
+                    acc[i] = combine(acc[i], r, q8, s, mn, xscale[b0 + i, 2 * c : 2 * c + 2], xs[b0 + i, 2 * c : 2 * c + 2])
             for i in range(nb):
                 out[b0 + i, 16 * rb : 16 * rb + 16] = acc[i]
     return out

@@ -138,3 +138,32 @@ def test_the_vnni_quill_layout_maps_the_same_tiles(tmp_path, monkeypatch, avx512
     monkeypatch.setenv("QUILL_INT8_ACTIVATIONS", "1")
     with pytest.raises(quillfile.QuillFileError, match="VNNI.*--layout portable"):
         load_model(str(out), context_len=64)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.IQ4_XS], ids=lambda t: t.name)
+def test_the_amx_kernel_gives_the_vnni_tiles_bits(qtype):
+    """The AMX GEMV recombines the same exact integer dots as the VNNI tiles and scales them in the same fp32
+    order (amx_gemv.c's combine: dot times unit times scale, then the group's min, group by group; the sums
+    of x from simd.h's sum32), so on the same tiled K-quant weight, Q6_K aside (its AMX kernel takes its
+    digits per 256 columns), the two agree bit for bit at every batch: on the emulation build on every host,
+    and natively where the CPU has both."""
+    libs = [native.load(emulate="amx")]
+    assert libs[0] is not None, "simde-py is a test dependency: pip install -e '.[test]'"
+    if native.load().quill_amx_enable() and native.load().quill_hw_vnni():
+        libs.append(native.load())
+    w = tiled.tile_weight(_weight(qtype, rows=32))
+    x = torch.randn(19, w.cols, generator=torch.Generator().manual_seed(5))
+    x[2, 5], x[4] = float("nan"), 0.0
+    for lib in libs:
+        for batch in (1, 3, 16, 19):
+            outs = []
+            for kind in (w.native_kind, w.native_kind | 64):  # the AMX tiles, then the VNNI tiles
+                scratch = torch.empty(lib.quill_tiled_scratch_bytes(kind, batch, w.cols) // 4 + 16)
+                out = torch.empty(batch, w.rows)
+                lib.quill_tiled_gemv(kind, *w.native_args()[1:], x.data_ptr(), out.data_ptr(), w.rows, w.cols, batch,
+                                     w.rows, scratch.data_ptr(), 2)
+                outs.append(out)
+            amx, vnni = outs
+            assert torch.equal(amx.isnan(), vnni.isnan()) and amx.isnan().any(1).tolist() == [i == 2 for i in range(batch)]
+            assert torch.equal(amx.nan_to_num(), vnni.nan_to_num()), batch

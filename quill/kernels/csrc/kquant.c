@@ -174,9 +174,7 @@ static void kq_group_sums(const float *x, float *xs, int B, int K, int width) {
     for (int b = 0; b < B; b++)
         for (int g = 0; g < K / width; g++) {
             const float *p = x + (long)b * K + (long)width * g;
-            __m256 s = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
-            if (width == 32) s = _mm256_add_ps(s, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-            xs[(long)b * (K / width) + g] = hsum8(s);
+            xs[(long)b * (K / width) + g] = width == 32 ? sum32(p) : hsum8(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
         }
 }
 

@@ -12,6 +12,13 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* Sum of the 32 floats at p, always in the same order: a 32-weight group's sum of x for the K-quant mins,
+ * which kquant.c's rows and both tiled kernels take from here so that they agree bit for bit. */
+static inline float sum32(const float *p) {
+    return hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                               _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
+}
+
 /* A kernel's weight stream, asked for ahead of where it reads (rows are read one after another, so this
  * runs on into the next rows; a prefetch past the end faults on nothing), in two steps: into L2 twice
  * `ahead` bytes ahead, then into L1 half `ahead` ahead. The hardware prefetcher alone left these kernels
