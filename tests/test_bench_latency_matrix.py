@@ -71,6 +71,30 @@ def test_matrix_row_figures_and_ratios():
                                 "batch_over_b1": 1.5})
 
 
+def test_roofline_counts_the_bytes_a_step_reads():
+    """An untied token embedding is resident but a decode step reads only its tokens' rows: the roofline
+    divides what a step reads (step_weight_bytes, the model's decode_read_bytes), resident stays resident."""
+    r = _report("/m/a.gguf", QUILL)
+    r["step_weight_bytes"] = 90 * MIB
+    row = matrix_row(r, [16], [1, 4], [16])
+    assert row["roofline_b1"] == pytest.approx(10.0 * (90 * MIB + 16 * 1000) / 1e9 / 10.0)
+    assert row["resident_bytes"] == 120 * MIB
+
+
+@pytest.mark.parametrize("shape,tied", [("llama-3.2-1b", True), ("olmo-2-0425-1b", False)])
+def test_decode_read_bytes_leave_out_only_an_untied_embedding(tmp_path, shape, tied):
+    from quill.bench.synth import MODELS, write_synth
+    from quill.models.loader import load_model
+
+    path = tmp_path / f"{shape}.gguf"
+    write_synth(path, MODELS[shape], "Q4_K_M", num_layers=1, vocab=512)
+    model = load_model(str(path), context_len=64).model
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    table = sum(t.numel() * t.element_size() for t in model._weight_tensors(model.embed_tokens))
+    assert table > 0
+    assert model.decode_read_bytes() == model.resident_bytes() - (0 if tied else table)
+
+
 def test_matrix_row_without_batch_one_or_prefill():
     quill = {"prefill_tps": {}, "decode_tps": {"2x32": 12.0, "8x32": 40.0}}
     row = matrix_row(_report("b.gguf", quill), [], [2, 8], [32])

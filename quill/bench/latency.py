@@ -150,6 +150,7 @@ def measure_model(model: str | None, args: argparse.Namespace, prefill, batches,
             bandwidth = measure_bandwidth(args.repeats)
         report = {"model": quill.model_name, "path": str(quill.model_path), "threads": threads,
                   "bandwidth_gbs": bandwidth, "weight_bytes": quill.weight_bytes, "file_bytes": quill.file_bytes,
+                  "step_weight_bytes": quill.step_weight_bytes,
                   "kv_bytes_per_token": quill.kv_bytes_per_token, "kv_cache_dtype": quill.kv_cache_dtype,
                   "activations": quill.activations, "quill": {}}
         tokens = quill.sample_tokens(max(prefill + contexts))
@@ -194,8 +195,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _roofline(r: dict, tps: float, b: int, ctx: int) -> tuple[float, float]:
     """(GB/s, fraction of the measured bandwidth) of decode at batch b, context ctx: each step reads the
-    weights once plus each row's K/V."""
-    step_bytes = r["weight_bytes"] + b * ctx * r["kv_bytes_per_token"]
+    weights once (an untied token embedding aside: only its tokens' rows) plus each row's K/V."""
+    step_bytes = r.get("step_weight_bytes", r["weight_bytes"]) + b * ctx * r["kv_bytes_per_token"]
     gbs = tps / b * step_bytes / 1e9
     return gbs, gbs / r["bandwidth_gbs"]
 
@@ -275,7 +276,9 @@ def _print_report(r: dict, prefill, batches, contexts) -> None:
     has_ref = "llama.cpp" in r
     print(f"model {r['model']}, {r['threads']} threads, {r.get('activations', 'exact')} activations; measured read "
           f"bandwidth {bw:.2f} GB/s")
-    print(f"bytes per decode step: weights {r['weight_bytes'] / 2**20:.1f} MiB + KV {r['kv_bytes_per_token'] / 1024:.1f} KiB x "
+    step = r.get("step_weight_bytes", r["weight_bytes"])
+    table = f" ({r['weight_bytes'] / 2**20:.1f} MiB resident, less the untied token embedding)" if step != r["weight_bytes"] else ""
+    print(f"bytes per decode step: weights {step / 2**20:.1f} MiB{table} + KV {r['kv_bytes_per_token'] / 1024:.1f} KiB x "
           f"context x batch ({r['kv_cache_dtype']} KV cache)")
     head = f"{'figure':<26}{'quill':>10}" + (f"{'llama.cpp':>12}{'ratio':>8}" if has_ref else "") + f"{'GB/s':>8}{'roofline':>10}"
     print(head)

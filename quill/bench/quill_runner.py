@@ -33,6 +33,7 @@ class QuillRunner:
         self.model_name = self.engine.model_name
         self.model_path = self.engine.loaded.path
         self.weight_bytes = self.engine.loaded.model.resident_bytes()
+        self.step_weight_bytes = self.engine.loaded.model.decode_read_bytes()
         self.file_bytes = self.engine.loaded.file_bytes  # the GGUF's size on disk (stat), as `quill info` reports
         self.kv_bytes_per_token = self.engine.kv_cache.bytes_per_token
         self.kv_cache_dtype = self.engine.kv_cache_dtype

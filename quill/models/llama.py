@@ -95,6 +95,11 @@ class Attention(nn.Module):
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+def _distinct_bytes(tensors) -> dict[int, int]:
+    """{data pointer: bytes} of the tensors, each storage counted once."""
+    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+
+
 class MLP(nn.Module):
     """Gated MLP with fused gate_up: down(act(gate) * up); act is SiLU (SwiGLU) or tanh GELU (GeGLU)."""
 
@@ -223,14 +228,20 @@ class LlamaForCausalLM(nn.Module):
 
     def resident_bytes(self) -> int:
         """Bytes of weights held in memory: every distinct tensor counted once (tied heads share)."""
-        seen: dict[int, int] = {}
-        for t in self._weight_tensors():
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
+        return sum(_distinct_bytes(self._weight_tensors()).values())
 
-    def _weight_tensors(self):
-        yield from self.parameters()
-        for m in self.modules():
+    def decode_read_bytes(self) -> int:
+        """Weight bytes one decode step reads (the roofline's, `quill bench latency`): all of them but an
+        untied token embedding, of which a step reads only its tokens' rows (a tied one is the LM head)."""
+        head = _distinct_bytes(self._weight_tensors(self.lm_head))
+        table = _distinct_bytes(self._weight_tensors(self.embed_tokens))
+        return self.resident_bytes() - sum(n for ptr, n in table.items() if ptr not in head)
+
+    def _weight_tensors(self, module: nn.Module | None = None):
+        """The weight tensors of `module` (this model by default), packed layouts' parts included."""
+        module = self if module is None else module
+        yield from module.parameters()
+        for m in module.modules():
             w = getattr(m, "weight", None)
             if isinstance(w, GroupWeight):  # a PackedWeight or TiledWeight
                 yield from w.tensors()
