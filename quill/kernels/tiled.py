@@ -119,16 +119,16 @@ def available(opts: options.KernelOptions | None = None) -> bool:
     else the environment) allow AMX and the OS grants the tile state."""
     lib = native.load()
     opts = opts or options.current()
-    return lib is not None and opts.amx and opts.retile and bool(lib.quill_amx_enable())
+    return lib is not None and opts.amx and bool(lib.quill_amx_enable())
 
 
 def vnni_available(opts: options.KernelOptions | None = None) -> bool:
     """Whether K-quant weights loaded now take the tiled layout for the VNNI tiles instead (where AMX does not
-    tile them): the options allow it (retile) and ask for the AVX-512 kernels with exact activations (int8
-    activations keep the blocks, which their kernels read), and the CPU has AVX-512 VNNI."""
+    tile them): the options ask for the AVX-512 kernels with exact activations (int8 activations keep the
+    blocks, which their kernels read) and the CPU has AVX-512 VNNI."""
     lib = native.load()
     opts = opts or options.current()
-    return lib is not None and opts.retile and opts.isa >= 512 and not opts.int8 and bool(lib.quill_hw_vnni())
+    return lib is not None and opts.isa >= 512 and not opts.int8 and bool(lib.quill_hw_vnni())
 
 
 def _blocked(t: torch.Tensor, rows: int, groups: int, half: bool) -> torch.Tensor:
@@ -202,8 +202,8 @@ def for_cpu(w):
     without AMX, where the VNNI tiles run (vnni_available), the K-quant weights (Q4_K, Q5_K, IQ4_XS, Q6_K)
     tiled for them: the same layout, each 16 rows' super-block one contiguous read with its codes already
     in the tiles' order. The other weights keep their own layout; a split weight's parts are each tiled
-    or not."""
-    if w is None:
+    or not. Options with retile=False (quill convert's portable objects) keep every weight as it is."""
+    if w is None or not options.current().retile:
         return w
     if available():
         tile = tile_weight
