@@ -595,8 +595,33 @@ typedef struct {
     const uint16_t *scale_d, *mins_d;
 } TiledSrc;
 
-/* Super-block b of row block rb -> t (or f's dots), as decode_blocks would leave them. */
-VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, long K, long rb, long b, Tile *t, Fuse *f) {
+/* One chunk's (64 columns') three planes' dots acc[p][k] (over lines 4k .. 4k + 3) -> the item's 16 sums s, unit
+ * by unit (Q6_K: its four 16-chunks; the others: their two groups), in tile_items' float sequence: each unit's
+ * dot from its offset term and its dots (integers, exact in any order), digits_dot, times the unit, one FMA
+ * of the scale, then one of the min. So the sums are bit-identical to tile_items' over the stored dots,
+ * without the 48 stores and loads per super-block that cost a Zen 4 (a 512-bit store there takes 2.4
+ * cycles) more than a quarter of its batch-1 time. */
+VNNI static inline ALWAYS void fuse_chunk(const int kind, const Tile *t, const uint8_t *blk, __m512i acc[3][4], int cc,
+                                          __m512 *s) {
+    const int q6 = kind == 1, per = q6 ? 4 : 2, offset = q6 ? 32 : kind == 4 ? 128 : 0, mins = kind == 0 || kind == 5;
+    for (int j = 0; j < per; j++) {
+        const int u = per * cc + j;
+        __m512i D[3];
+        for (int p = 0; p < 3; p++) {
+            const __m512i from = offset ? _mm512_set1_epi32(((const int32_t *)(blk + DIG_FROM))[3 * u + p]) : _mm512_setzero_si512();
+            D[p] = _mm512_add_epi32(from, q6 ? acc[p][j] : _mm512_add_epi32(acc[p][2 * j], acc[p][2 * j + 1]));
+        }
+        const __m512 unit = _mm512_set1_ps(((const float *)(blk + DIG_UNIT))[q6 ? u / 2 : u]);
+        *s = _mm512_fmadd_ps(_mm512_mul_ps(digits_dot(D), unit), t->sc[u], *s);
+        if (mins) *s = _mm512_fnmadd_ps(t->mn[u], _mm512_set1_ps(((const float *)(blk + DIG_XS))[u]), *s);
+    }
+}
+
+/* Super-block b of row block rb -> t, as decode_blocks would leave it; or, with f (an item's three digit
+ * planes at f->q), the item's dots combined chunk by chunk into its 16 sums *s (fuse_chunk; blk: the item's
+ * digit block of super-block b). */
+VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, long K, long rb, long b, Tile *t, Fuse *f,
+                                            const uint8_t *blk, __m512 *s) {
     const long C = K / 64, run = tiled_run_bytes(kind);
     const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
     const __m512i n4 = _mm512_set1_epi8(15);
@@ -607,6 +632,7 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
         const long G = K / 32;
         for (int u = 0; u < 8; u++) {
             t->sc[u] = kscale_group(w->scale, w->scale_d, rb * G + 8 * b + u, 3);
+            if (kind == 0 && u % 2) t->sc[u] = _mm512_mul_ps(t->sc[u], _mm512_set1_ps(0.0625f)); /* codes 16 q: below */
             if (kind != 4) /* -(-dmin * m): dmin * m, as decode_blocks */
                 t->mn[u] = _mm512_xor_ps(kscale_group(w->mins, w->mins_d, rb * G + 8 * b + u, 3), _mm512_set1_ps(-0.0f));
         }
@@ -629,9 +655,15 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) {
                 const __m512i v = _mm512_loadu_si512(src + 64 * i);
-                const __m512i lo = _mm512_and_si512(v, n4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
-                PUT(i, kind == 4 ? _mm512_shuffle_epi8(table, lo) : lo);
-                PUT(8 + i, kind == 4 ? _mm512_shuffle_epi8(table, hi) : hi);
+                if (kind == 0) { /* the high nibbles in place, 16 q, with the odd groups' scales times 1/16 (above,
+                                  * as decode_blocks): one AND instead of a shift and an AND, and every product
+                                  * and sum the same float (16 D converts exactly where D does, powers of two) */
+                    PUT(i, _mm512_and_si512(v, n4));
+                    PUT(8 + i, _mm512_andnot_si512(n4, v));
+                } else {
+                    PUT(i, _mm512_shuffle_epi8(table, _mm512_and_si512(v, n4)));
+                    PUT(8 + i, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), n4)));
+                }
             }
         } else { /* Q5_K (w = 1), Q6_K (w = 2): the nibbles as q4's, then a plane of the codes' top w bits, bits
                   * w k .. w k + w - 1 of its byte i for line (span k + i) / 64 */
@@ -650,14 +682,13 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
             }
         }
 #undef PUT
-        for (int p = 0; p < nd; p++)
-            for (int k = 0; k < 4; k++) f->d[p][4 * cc + k] = acc[p][k];
+        if (f) fuse_chunk(kind, t, blk, acc, cc, s);
     }
 }
 
 VNNI static void decode_tiled_any(int kind, const TiledSrc *w, long K, long rb, long b, Tile *t) {
 #define DECODE_TILED(k, ...) decode_tiled(k, __VA_ARGS__)
-    BLOCK_CONST(DECODE_TILED, kind, w, K, rb, b, t, NULL);
+    BLOCK_CONST(DECODE_TILED, kind, w, K, rb, b, t, NULL, NULL, NULL);
 #undef DECODE_TILED
 }
 
@@ -667,12 +698,11 @@ VNNI static inline ALWAYS void one_tiled_k(const int kind, const TiledSrc *w, lo
     Tile t;
     Fuse f;
     f.nd = 3;
-    for (int p = 0; p < 3; p++) {
-        for (int k = 0; k < 16; k++) f.d[p][k] = _mm512_setzero_si512();
-        f.q[p] = (const int8_t *)dig_block(digits, K, item, b) + DIG_Q + 256 * p;
-    }
-    decode_tiled(kind, w, K, rb, b, &t, &f);
-    tile_items(kind, 3, &t, &f, kind == 0 || kind == 5, digits, K, b, 8, acc, item, 1);
+    const uint8_t *blk = dig_block(digits, K, item, b);
+    for (int p = 0; p < 3; p++) f.q[p] = (const int8_t *)blk + DIG_Q + 256 * p;
+    __m512 s = _mm512_loadu_ps(acc);
+    decode_tiled(kind, w, K, rb, b, &t, &f, blk, &s);
+    _mm512_storeu_ps(acc, s);
 }
 
 VNNI static void one_tiled(int kind, const TiledSrc *w, long K, long rb, long b, const uint8_t *digits, float *acc, int item) {
@@ -681,24 +711,38 @@ VNNI static void one_tiled(int kind, const TiledSrc *w, long K, long rb, long b,
 #undef ONE_TILED
 }
 
+/* Whether a batch-1 pass over the tiled layout asks for its weights ahead (simd.h's prefetch_block): not
+ * on AMD CPUs, whose hardware prefetcher streams each thread's one contiguous run better alone. On the AMD
+ * EPYC Zen 4, 16384 x 2048 weights x 12 copies from memory, batch 1, the time without the requests
+ * against with them: Q4_K 0.72-0.77x, Q6_K 0.72-0.74x, IQ4_XS 0.67-0.82x (one T1 request per line
+ * instead of the two steps: 0.80-0.85x), while batch 16 ran 1.04-1.10x slower without; on the Intel Xeon
+ * the requests paid at batch 1 too (the scale streams' alone: 0.87-0.99x). A fact about the CPU, probed
+ * once; the outputs are the same either way. */
+static int tiled_b1_prefetch(void) {
+    static int cached = -1;
+    if (cached < 0) cached = !__builtin_cpu_is("amd");
+    return cached;
+}
+
 /* tile_gemm's loop with digits over the tiled layout (N a multiple of 16): each thread's row blocks are
- * one stream, read STREAM_AHEAD bytes ahead. */
+ * one stream, read STREAM_AHEAD bytes ahead (at batch 1 where tiled_b1_prefetch says so). */
 VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, long K, int N, int B, float *out,
                             int ld, int threads) {
     const long nblk = K / 256, run = tiled_run_bytes(kind), C = K / 64;
     const int RB = N / 16, has_mins = kind == 0 || kind == 5;
     for (int c0 = 0; c0 < B; c0 += DCHUNK) {
-        const int nc = B - c0 < DCHUNK ? B - c0 : DCHUNK;
+        const int nc = B - c0 < DCHUNK ? B - c0 : DCHUNK, ahead = nc > 1 || tiled_b1_prefetch();
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
         for (int rb = 0; rb < RB; rb++) {
             Tile t;
             float acc[DCHUNK * 16] __attribute__((aligned(64)));
             memset(acc, 0, sizeof(float) * 16 * nc);
             for (long b = 0; b < nblk; b++) {
-                prefetch_block(w->codes + ((long)rb * C + 4 * b) * run, 4 * run);
-                { /* and the scale streams, apart from the codes (from memory at batch 1, 16384 x 2048 x 22
-                   * copies, AMX off on the Intel Xeon, the time with them against without: Q4_K 0.94-0.96x,
-                   * IQ4_XS 0.95-0.99x, Q6_K 0.87-0.90x; the AMX kernel asks for its own) */
+                if (ahead) { /* the codes, and the scale streams apart from them (from memory at batch 1,
+                   * 16384 x 2048 x 22 copies, AMX off on the Intel Xeon, the time with the scales' requests
+                   * against without: Q4_K 0.94-0.96x, IQ4_XS 0.95-0.99x, Q6_K 0.87-0.90x; the AMX kernel
+                   * asks for its own) */
+                    prefetch_block(w->codes + ((long)rb * C + 4 * b) * run, 4 * run);
                     const long sb = (long)rb * nblk + b, per = kind == 1 ? 256 : 128; /* 16 rows' int8 scales */
                     prefetch_block(w->scale + sb * per, per);
                     prefetch_block(w->scale_d + sb * 16, 32);
