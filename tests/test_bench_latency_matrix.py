@@ -196,3 +196,26 @@ def test_runner_close_lets_the_model_go(two_files):
     assert runner.file_bytes == two_files[1].stat().st_size
     runner.close()
     assert model() is None and runner.engine is None
+
+
+# --- the roofline's bandwidth probe ----------------------------------------------------------------
+
+@pytest.mark.parametrize("streams,prefetch", [(1, 1), (1, 0), (8, 0), (8, 1), (3, 1)])
+def test_the_bandwidth_probe_reads_every_block_once(streams, prefetch):
+    """quill_read_sum reads each 32-float block exactly once in every form (streams per thread side by side,
+    with or without the request ahead), the threads' remainders included: its sum over ones counts them."""
+    import torch
+
+    from quill.kernels import native
+
+    lib = native.load()
+    if lib is None:
+        pytest.skip("no native kernels on this machine")
+    n = 32 * 1003 + 7  # 1003 blocks (not a multiple of threads x streams) and a tail the probe leaves out
+    assert lib.quill_read_sum(torch.ones(n).data_ptr(), n, streams, prefetch) == 32 * 1003
+
+
+def test_the_bandwidth_probe_takes_the_fastest_form():
+    from quill.bench.latency import measure_bandwidth
+
+    assert measure_bandwidth(1, mib=8) > 0

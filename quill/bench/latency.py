@@ -69,25 +69,29 @@ def _ints(text: str) -> list[int]:
 
 
 def measure_bandwidth(repeats: int, mib: int = 512) -> float:
-    """GB/s of an all-threads sequential read of a buffer far larger than the caches, the stream asked for
-    ahead as the kernels ask for theirs (quill_read_sum): the roofline's bandwidth. The fastest of the
-    reads, not their median: a roofline is what the machine can do, and on a shared host other load only
-    slows a read (a median of 5 gave 19.9 GB/s in one run and 28.0 in another on the same Intel Xeon, and
-    quill's Q8_0 rows then read 117% of the lower figure)."""
+    """GB/s of an all-threads read of a buffer far larger than the caches (quill_read_sum): the roofline's
+    bandwidth. The fastest of the reads, over the probe's forms (one stream per thread asked for ahead as
+    the kernels ask for theirs; eight streams per thread with and without that), not their median: a
+    roofline is what the machine can do, and on a shared host other load only slows a read (a median of 5
+    gave 19.9 GB/s in one run and 28.0 in another on the same Intel Xeon, and quill's Q8_0 rows then read
+    117% of the lower figure; on an AMD Zen 4 one stream per thread read 31-35 GB/s where the Q8_0 rows,
+    several rows at a time, read 38)."""
     import torch
 
     from quill.kernels import native
 
     buf = torch.rand(mib * 2**20 // 4)
     lib = native.load()
+    forms = [(1, 1), (8, 0), (8, 1)] if lib is not None else [None]
     times = []
     for _ in range(max(repeats, 5)):
-        t0 = time.perf_counter()
-        if lib is not None:
-            lib.quill_read_sum(buf.data_ptr(), buf.numel())
-        else:
-            buf.sum()
-        times.append(time.perf_counter() - t0)
+        for form in forms:
+            t0 = time.perf_counter()
+            if form is not None:
+                lib.quill_read_sum(buf.data_ptr(), buf.numel(), *form)
+            else:
+                buf.sum()
+            times.append(time.perf_counter() - t0)
     return buf.numel() * 4 / min(times) / 1e9
 
 

@@ -155,6 +155,6 @@ def load(emulate: str | None = None) -> ctypes.CDLL | None:
     # kind, codes, scale, mins, x, act, out, N, K, B, ld, isa, threads -> 0, or -1 (no int8 kernel for kind)
     lib.quill_gemv_i8.argtypes = [I, P, P, P, P, P, P, I, I, I, I, I, I]
     lib.quill_gemv_i8.restype = I
-    lib.quill_read_sum.argtypes = [P, ctypes.c_long]
+    lib.quill_read_sum.argtypes = [P, ctypes.c_long, I, I]  # floats, n, streams per thread, prefetch
     lib.quill_read_sum.restype = ctypes.c_double
     return lib

@@ -21,6 +21,7 @@
 #include "isa.h"
 
 #include "simd.h"
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -338,21 +339,32 @@ GEMV_FN(quill_gemv_q8, int8_t, 32, row_q8, row_q8_512)
 DEQUANT_FN(quill_dequant_q4, uint8_t, 16, unpack_q4)
 DEQUANT_FN(quill_dequant_q8, int8_t, 32, unpack_q8)
 
-/* STREAM-like read bandwidth probe: sums n floats with all threads into vector accumulators, asking for
- * the stream STREAM_AHEAD bytes ahead in one T0 step (the kernels' two steps, simd.h, read 0.98x as fast
- * here: the probe has no work to hide the misses behind). Each earlier form read less than the
- * kernels reach, flattering every roofline figure (Intel Xeon, 512 MiB, interleaved medians): one
- * horizontal sum and a double add per 128 bytes, no prefetch, 22.8 GB/s; with the prefetch, 27.0;
- * this, 31.5. The sum's value is not used. */
-double quill_read_sum(const float *a, long n) {
+/* STREAM-like read bandwidth probe: sums n floats with all threads into vector accumulators. Each thread
+ * reads its share as `streams` runs side by side, 128 bytes of each in turn, with (prefetch = 1) or
+ * without a T0 request STREAM_AHEAD bytes ahead; quill bench latency takes the fastest form as the
+ * roofline. Each form alone read less than some kernel reaches, flattering the roofline: on the Intel
+ * Xeon (512 MiB, interleaved medians) one stream per thread with no prefetch read 22.8 GB/s and with it
+ * 31.5 (an earlier form, one horizontal sum and a double add per 128 bytes: 27.0); on the AMD EPYC Zen 4
+ * one stream read 31-35 GB/s either way and 4-8 streams 36-38, where quill's Q8_0 rows, several rows at
+ * a time, read 38. The sum's value is not used. */
+double quill_read_sum(const float *a, long n, int streams, int prefetch) {
     double total = 0.0;
+    if (streams < 1) streams = 1;
 #pragma omp parallel reduction(+ : total)
     {
         __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-#pragma omp for schedule(static)
-        for (long i = 0; i < n / 32; i++) {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const long blocks = n / 32, per = blocks / T, first = per * t, mine = t == T - 1 ? blocks - first : per;
+        const long run = mine / streams; /* blocks of 32 floats per stream; the remainder read after */
+        for (long i = 0; i < run; i++)
+            for (int k = 0; k < streams; k++) {
+                const float *p = a + (first + k * run + i) * 32;
+                if (prefetch) _mm_prefetch((const char *)p + STREAM_AHEAD, _MM_HINT_T0);
+                acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
+                acc2 = _mm256_add_ps(acc2, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+            }
+        for (long i = first + run * streams; i < first + mine; i++) {
             const float *p = a + i * 32;
-            _mm_prefetch((const char *)p + STREAM_AHEAD, _MM_HINT_T0);
             acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
             acc2 = _mm256_add_ps(acc2, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
         }
