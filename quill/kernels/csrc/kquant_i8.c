@@ -692,7 +692,8 @@ VNNI static void decode_tiled_any(int kind, const TiledSrc *w, long K, long rb, 
 #undef DECODE_TILED
 }
 
-/* one_item_k for the tiled layout: decode straight into the item's three digit planes' dots. */
+/* one_item_k for the tiled layout: decode straight into the item's three digit planes' dots, each chunk's
+ * combined into the item's sums as it ends (fuse_chunk; Fuse's d is not used here). */
 VNNI static inline ALWAYS void one_tiled_k(const int kind, const TiledSrc *w, long K, long rb, long b,
                                            const uint8_t *digits, float *acc, int item) {
     Tile t;
