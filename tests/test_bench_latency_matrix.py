@@ -16,6 +16,7 @@ MIB = 2**20
 
 def _report(path: str, quill: dict, ref: dict | None = None, file_mib: float = 100, resident_mib: float = 120) -> dict:
     r = {"path": path, "file_bytes": int(file_mib * MIB), "weight_bytes": int(resident_mib * MIB),
+         "step_weight_bytes": int(resident_mib * MIB),
          "kv_bytes_per_token": 1000, "bandwidth_gbs": 10.0, "quill": quill}
     if ref is not None:
         r["llama.cpp"] = ref

@@ -200,7 +200,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _roofline(r: dict, tps: float, b: int, ctx: int) -> tuple[float, float]:
     """(GB/s, fraction of the measured bandwidth) of decode at batch b, context ctx: each step reads the
     weights once (an untied token embedding aside: only its tokens' rows) plus each row's K/V."""
-    step_bytes = r.get("step_weight_bytes", r["weight_bytes"]) + b * ctx * r["kv_bytes_per_token"]
+    step_bytes = r["step_weight_bytes"] + b * ctx * r["kv_bytes_per_token"]
     gbs = tps / b * step_bytes / 1e9
     return gbs, gbs / r["bandwidth_gbs"]
 
@@ -280,7 +280,7 @@ def _print_report(r: dict, prefill, batches, contexts) -> None:
     has_ref = "llama.cpp" in r
     print(f"model {r['model']}, {r['threads']} threads, {r.get('activations', 'exact')} activations; measured read "
           f"bandwidth {bw:.2f} GB/s")
-    step = r.get("step_weight_bytes", r["weight_bytes"])
+    step = r["step_weight_bytes"]
     table = f" ({r['weight_bytes'] / 2**20:.1f} MiB resident, less the untied token embedding)" if step != r["weight_bytes"] else ""
     print(f"bytes per decode step: weights {step / 2**20:.1f} MiB{table} + KV {r['kv_bytes_per_token'] / 1024:.1f} KiB x "
           f"context x batch ({r['kv_cache_dtype']} KV cache)")

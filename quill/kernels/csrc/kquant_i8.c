@@ -357,6 +357,30 @@ VNNI static inline ALWAYS __m512 digits_dot(const __m512i D[3]) {
                            _mm512_cvtepi32_ps(_mm512_add_epi32(D[0], _mm512_slli_epi32(D[1], 8))));
 }
 
+/* A digit item's offset term for unit u in plane p (blk: its block; offset: the format's, 0 for none). */
+VNNI static inline ALWAYS __m512i digits_from(const uint8_t *blk, int u, int p, int offset) {
+    return offset ? _mm512_set1_epi32(((const int32_t *)(blk + DIG_FROM))[3 * u + p]) : _mm512_setzero_si512();
+}
+
+/* s with unit u's min taken off (minus: Q4_K, Q5_K) or added (the layouts): one FMA of the min times the
+ * unit's sum of x. */
+VNNI static inline ALWAYS __m512 with_min(const Tile *t, int u, int minus, float sum, __m512 s) {
+    const __m512 x = _mm512_set1_ps(sum);
+    return minus ? _mm512_fnmadd_ps(t->mn[u], x, s) : _mm512_fmadd_ps(t->mn[u], x, s);
+}
+
+/* s after unit u (a group; Q6_K: a 16-chunk) of a digit item (blk: its block) whose three planes' dots,
+ * offset terms in, are D: (dot * unit) times the scale, which stays in fp32's normal range wherever the
+ * product does (scale * unit alone leaves it for |x| below about 2^-100), then, with mins, the min (with_min).
+ * The one definition of the digits' float sequence, for tile_items and fuse_chunk, whose sums agree bit
+ * for bit. */
+VNNI static inline ALWAYS __m512 digits_unit(const Tile *t, const uint8_t *blk, int u, int q6, int mins, int minus,
+                                             const __m512i D[3], __m512 s) {
+    const __m512 unit = _mm512_set1_ps(((const float *)(blk + DIG_UNIT))[q6 ? u / 2 : u]);
+    s = _mm512_fmadd_ps(_mm512_mul_ps(digits_dot(D), unit), t->sc[u], s);
+    return mins ? with_min(t, u, minus, ((const float *)(blk + DIG_XS))[u], s) : s;
+}
+
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
  * item i0 + i) += its contribution, in the float sequence the headers state: nd = 1, act holds rounded
  * int8 activations (Act); nd = 3, act holds digit buffers (DIG_*, with the mins' sums of x). Per group
@@ -379,8 +403,7 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
         __m512i DD[IT][3];
         for (int i = 0; i < nb; i++)
             for (int p = 0; p < nd; p++) {
-                const __m512i from = nd == 3 && offset ? _mm512_set1_epi32(((const int32_t *)(qb[i] + DIG_FROM))[3 * u + p])
-                                                       : _mm512_setzero_si512();
+                const __m512i from = nd == 3 ? digits_from((const uint8_t *)qb[i], u, p, offset) : _mm512_setzero_si512();
                 DD[i][p] = !fz ? from : _mm512_add_epi32(from, q6 ? fz->d[p][u] : _mm512_add_epi32(fz->d[p][2 * u], fz->d[p][2 * u + 1]));
             }
         if (!fz)
@@ -392,26 +415,16 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
                         DD[i][p] = _mm512_dpbusd_epi32(DD[i][p], c, bcast4(qb[i] + DIG_Q + 256 * p + per * u + 4 * j));
             }
         for (int i = 0; i < nb; i++) {
-            __m512 f, unit;
-            float sum; /* the group's sum of x, for its min */
-            if (nd == 1) {
-                const Act a = act_at(act, K, i0 + i);
-                f = _mm512_cvtepi32_ps(DD[i][0]);
-                if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a.s16[16 * b + u] : a.s32[8 * b + u]), f);
-                unit = _mm512_set1_ps(a.dx[8 * b + (q6 ? u / 2 : u)]);
-                sum = q6 ? 0.f : a.xs[8 * b + u];
-            } else {
-                f = digits_dot(DD[i]);
-                unit = _mm512_set1_ps(((const float *)(qb[i] + DIG_UNIT))[q6 ? u / 2 : u]);
-                sum = has_mins ? ((const float *)(qb[i] + DIG_XS))[u] : 0.f;
+            if (nd == 3) {
+                s[i] = digits_unit(t, (const uint8_t *)qb[i], u, q6, has_mins && !q6, minus, DD[i], s[i]);
+                continue;
             }
-            /* int8: the dot times (scale * dx); digits: (dot * unit) times scale, which stays in fp32's normal
-             * range wherever the product does (scale * unit alone leaves it for |x| below about 2^-100) */
-            s[i] = nd == 1 ? _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[u], unit), s[i]) : _mm512_fmadd_ps(_mm512_mul_ps(f, unit), t->sc[u], s[i]);
-            if (has_mins && !q6) {
-                const __m512 x = _mm512_set1_ps(sum);
-                s[i] = minus ? _mm512_fnmadd_ps(t->mn[u], x, s[i]) : _mm512_fmadd_ps(t->mn[u], x, s[i]);
-            }
+            /* int8: the dot times (scale * dx) */
+            const Act a = act_at(act, K, i0 + i);
+            __m512 f = _mm512_cvtepi32_ps(DD[i][0]);
+            if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a.s16[16 * b + u] : a.s32[8 * b + u]), f);
+            s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[u], _mm512_set1_ps(a.dx[8 * b + (q6 ? u / 2 : u)])), s[i]);
+            if (has_mins && !q6) s[i] = with_min(t, u, minus, a.xs[8 * b + u], s[i]);
         }
     }
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
@@ -596,24 +609,19 @@ typedef struct {
 } TiledSrc;
 
 /* One chunk's (64 columns') three planes' dots acc[p][k] (over lines 4k .. 4k + 3) -> the item's 16 sums s, unit
- * by unit (Q6_K: its four 16-chunks; the others: their two groups), in tile_items' float sequence: each unit's
- * dot from its offset term and its dots (integers, exact in any order), digits_dot, times the unit, one FMA
- * of the scale, then one of the min. So the sums are bit-identical to tile_items' over the stored dots,
- * without the 48 stores and loads per super-block that cost a Zen 4 (a 512-bit store there takes 2.4
- * cycles) more than a quarter of its batch-1 time. */
+ * by unit (Q6_K: its four 16-chunks; the others: their two groups): each unit's dot from its offset term and
+ * its dots (integers, exact in any order), then digits_unit, as tile_items does over stored dots. So the sums
+ * are bit-identical to those, without the 48 stores and loads per super-block that cost a Zen 4 (a 512-bit
+ * store there takes 2.4 cycles) more than a quarter of its batch-1 time. */
 VNNI static inline ALWAYS void fuse_chunk(const int kind, const Tile *t, const uint8_t *blk, __m512i acc[3][4], int cc,
                                           __m512 *s) {
     const int q6 = kind == 1, per = q6 ? 4 : 2, offset = q6 ? 32 : kind == 4 ? 128 : 0, mins = kind == 0 || kind == 5;
     for (int j = 0; j < per; j++) {
         const int u = per * cc + j;
         __m512i D[3];
-        for (int p = 0; p < 3; p++) {
-            const __m512i from = offset ? _mm512_set1_epi32(((const int32_t *)(blk + DIG_FROM))[3 * u + p]) : _mm512_setzero_si512();
-            D[p] = _mm512_add_epi32(from, q6 ? acc[p][j] : _mm512_add_epi32(acc[p][2 * j], acc[p][2 * j + 1]));
-        }
-        const __m512 unit = _mm512_set1_ps(((const float *)(blk + DIG_UNIT))[q6 ? u / 2 : u]);
-        *s = _mm512_fmadd_ps(_mm512_mul_ps(digits_dot(D), unit), t->sc[u], *s);
-        if (mins) *s = _mm512_fnmadd_ps(t->mn[u], _mm512_set1_ps(((const float *)(blk + DIG_XS))[u]), *s);
+        for (int p = 0; p < 3; p++)
+            D[p] = _mm512_add_epi32(digits_from(blk, u, p, offset), q6 ? acc[p][j] : _mm512_add_epi32(acc[p][2 * j], acc[p][2 * j + 1]));
+        *s = digits_unit(t, blk, u, q6, mins, mins, D, *s);
     }
 }
 

@@ -347,6 +347,11 @@ DEQUANT_FN(quill_dequant_q8, int8_t, 32, unpack_q8)
  * 31.5 (an earlier form, one horizontal sum and a double add per 128 bytes: 27.0); on the AMD EPYC Zen 4
  * one stream read 31-35 GB/s either way and 4-8 streams 36-38, where quill's Q8_0 rows, several rows at
  * a time, read 38. The sum's value is not used. */
+static inline void read_block(const float *p, __m256 *acc, __m256 *acc2) { /* the probe's 32 floats at p */
+    *acc = _mm256_add_ps(*acc, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
+    *acc2 = _mm256_add_ps(*acc2, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+}
+
 double quill_read_sum(const float *a, long n, int streams, int prefetch) {
     double total = 0.0;
     if (streams < 1) streams = 1;
@@ -360,14 +365,9 @@ double quill_read_sum(const float *a, long n, int streams, int prefetch) {
             for (int k = 0; k < streams; k++) {
                 const float *p = a + (first + k * run + i) * 32;
                 if (prefetch) _mm_prefetch((const char *)p + STREAM_AHEAD, _MM_HINT_T0);
-                acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
-                acc2 = _mm256_add_ps(acc2, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+                read_block(p, &acc, &acc2);
             }
-        for (long i = first + run * streams; i < first + mine; i++) {
-            const float *p = a + i * 32;
-            acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
-            acc2 = _mm256_add_ps(acc2, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-        }
+        for (long i = first + run * streams; i < first + mine; i++) read_block(a + i * 32, &acc, &acc2);
         total += hsum8(_mm256_add_ps(acc, acc2));
     }
     return total;
