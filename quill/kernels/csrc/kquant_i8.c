@@ -35,6 +35,8 @@
 #include "digits.h"
 #include "kquant_i8.h"
 #include "simd.h"
+#include "deal.h"
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -734,15 +736,21 @@ static int tiled_b1_prefetch(void) {
 }
 
 /* tile_gemm's loop with digits over the tiled layout (N a multiple of 16): each thread's row blocks are
- * one stream, read STREAM_AHEAD bytes ahead (at batch 1 where tiled_b1_prefetch says so). */
+ * one stream, read STREAM_AHEAD bytes ahead (at batch 1 where tiled_b1_prefetch says so), dealt (deal.h)
+ * so that a thread done with its own takes the others' last ones: the whole 1B Q4_K_M model at batch 1
+ * on the AMD EPYC Zen 4, in-engine A/B, 1.026x the tokens per second (3B: 1.048x), the closing barrier's
+ * wait from 11% of the samples to under 1%. */
 VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, long K, int N, int B, float *out,
                             int ld, int threads) {
     const long nblk = K / 256, run = tiled_run_bytes(kind), C = K / 64;
     const int RB = N / 16, has_mins = kind == 0 || kind == 5;
     for (int c0 = 0; c0 < B; c0 += DCHUNK) {
         const int nc = B - c0 < DCHUNK ? B - c0 : DCHUNK, ahead = nc > 1 || tiled_b1_prefetch();
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-        for (int rb = 0; rb < RB; rb++) {
+        const int nt = threads > 0 ? threads : 1;
+        Deal deals[nt];
+        deal_init(deals, nt, RB);
+#pragma omp parallel num_threads(nt)
+        for (long rb; (rb = deal_next(deals, omp_get_thread_num(), nt)) >= 0;) {
             Tile t;
             float acc[DCHUNK * 16] __attribute__((aligned(64)));
             memset(acc, 0, sizeof(float) * 16 * nc);
