@@ -246,8 +246,12 @@ def test_damaged_newer_and_foreign_files_are_refused(tmp_path, default_quill):
     newer = tmp_path / "newer.quill"
     newer.write_bytes(data)
     _rewrite_header(newer, lambda m: m.update({"quill.format_version": "99"}))
-    with pytest.raises(QuillFileError, match="format version 99.*reads up to version 1"):
+    with pytest.raises(QuillFileError, match=f"format version 99.*reads up to version {quillfile.FORMAT_VERSION}"):
         load_model(str(newer))
+    older = tmp_path / "older.quill"  # version 1 (before the vnni layout tiled Q8_0) still loads
+    older.write_bytes(data)
+    _rewrite_header(older, lambda m: m.update({"quill.format_version": "1"}))
+    assert QuillFile(older).version == 1 and load_model(str(older)).model is not None
     foreign = tmp_path / "foreign.quill"
     foreign.write_bytes(data)
     _rewrite_header(foreign, lambda m: m.update({"quill.layout": "sme2"}))
@@ -282,7 +286,7 @@ def test_quill_info_and_convert_cli(tmp_path, capsys, default_quill):
     assert main(["info", "-m", str(path), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "format                 quill" in out and f"{report.source_sha256}" in out
-    assert "CPU layout" in out and f"{report.data_sha256} (verified)" in out and "quill format           version 1" in out
+    assert "CPU layout" in out and f"{report.data_sha256} (verified)" in out and f"quill format           version {quillfile.FORMAT_VERSION}" in out
     assert main(["info", "--verify"]) == 1  # the GGUF default: nothing to verify, said so
     assert "not a .quill file" in capsys.readouterr().err
     assert main(["convert", "-o", str(path)]) == 1  # exists

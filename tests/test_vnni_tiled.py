@@ -63,8 +63,55 @@ def test_tiled_for_vnni_gives_the_blocks_outputs_bit_for_bit(qtype, avx512_kerne
         assert torch.equal(w.dequantize_rows(ids), blocks.dequantize_rows(ids))
 
 
+def _q8_0(rows=48, cols=512, seed=0):
+    from quill.kernels.packed import pack_gguf
+
+    raw = np.ascontiguousarray(random_blocks("Q8_0", rows, cols, np.random.default_rng(seed))).view(np.uint8)
+    return pack_gguf(Q.Q8_0, (rows, cols), raw)
+
+
 @needs_kernels
-def test_for_cpu_tiles_only_k_quants_and_only_without_amx_or_int8(avx512_kernels):
+def test_q8_0_on_the_vnni_tiles_is_exact_and_batch_invariant(avx512_kernels):
+    """Q8_0 takes the VNNI tiles too (kind LAYOUT_Q8: codes + 128 against the digits, the file's fp16 scales):
+    not the q8 rows' float order, so the check is against the float64 product (1e-5 of the largest output,
+    as every kernel), NaN rows kept apart, each row the same bits alone and in a batch, and the tiles
+    dequantizing and looking up rows exactly as the packed weight does."""
+    packed = _q8_0()
+    assert packed.kind == "q8" and packed.mins is None
+    with use(OPTIONS):
+        w = tiled.for_cpu(packed)
+        assert isinstance(w, tiled.TiledWeight) and w.vnni and w.kind == "q8" and w.native_kind == 1 | 2 | 64
+        assert w.scale.dtype == torch.float16 and w.nbytes <= 1.1 * packed.nbytes
+        lin, rows_lin = PackedLinear(w, None, Workspace()), PackedLinear(packed, None, Workspace())
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(40, packed.cols, generator=gen)
+        x[3, 7] = float("nan")
+        x[5] = 0.0
+        exact = x.double() @ packed.dequantize().double().T
+        for batch in (1, 2, 5, 16, 17, 40):
+            got, rows_out = torch.empty(batch, w.rows), torch.empty(batch, w.rows)
+            lin.gemv(x[:batch].contiguous(), got)
+            rows_lin.gemv(x[:batch].contiguous(), rows_out)
+            assert torch.equal(got.isnan(), rows_out.isnan()), batch
+            fine = ~exact[:batch].isnan().any(1)
+            err = (got[fine].double() - exact[:batch][fine]).abs().max() / exact[:batch][fine].abs().max()
+            assert err < 1e-5, (batch, err.item())
+            if batch > 5:
+                assert (got[5] == 0).all()  # an all-zero item has no digits
+        alone = torch.empty(1, w.rows)
+        for batch, row in ((16, 9), (3, 2), (4, 1)):  # the stored tile, then the items fused in pairs
+            batched = torch.empty(batch, w.rows)
+            lin.gemv(x[row:row + 1].clone(), alone)
+            lin.gemv(x[:batch].contiguous(), batched)
+            assert torch.equal(alone[0], batched[row]), batch
+        assert torch.equal(w.dequantize(), packed.dequantize())
+        assert torch.equal(lin(x[:24].nan_to_num()), rows_lin(x[:24].nan_to_num()))  # prefill: the same fp32 tile
+        ids = torch.tensor([0, 17, 47, 5])
+        assert torch.equal(w.dequantize_rows(ids), packed.dequantize_rows(ids))
+
+
+@needs_kernels
+def test_for_cpu_tiles_only_k_quants_and_q8_0_and_only_without_amx_or_int8(avx512_kernels):
     q4k, q5_0 = _weight(Q.Q4_K), _weight(Q.Q5_0, cols=64)
     with use(OPTIONS):
         assert isinstance(tiled.for_cpu(q4k), tiled.TiledWeight)
@@ -72,6 +119,12 @@ def test_for_cpu_tiles_only_k_quants_and_only_without_amx_or_int8(avx512_kernels
         split = tiled.for_cpu(SplitWeight([q4k, q5_0]))
         assert isinstance(split.parts[0], tiled.TiledWeight) and split.parts[1] is q5_0
         assert tiled.for_cpu(_weight(Q.Q4_K, rows=40)).__class__ is BlockWeight  # rows not in whole tiles
+        q8 = _q8_0()
+        assert isinstance(tiled.for_cpu(q8), tiled.TiledWeight)
+        for kept in (_q8_0(cols=288),  # not whole 256-column blocks of digits
+                     dataclasses.replace(q8, mins=torch.ones_like(q8.scale)),  # a min (Q5_1's layout)
+                     dataclasses.replace(q8, scale=q8.scale + 1e-9)):  # scales fp16 would round (--quantize int8)
+            assert tiled.for_cpu(kept) is kept
     with use(dataclasses.replace(OPTIONS, int8=True)):  # the int8 kernels read the blocks
         assert tiled.for_cpu(q4k) is q4k
     with use(dataclasses.replace(OPTIONS, isa=256)):  # the AVX2 kernels read the blocks
@@ -79,16 +132,20 @@ def test_for_cpu_tiles_only_k_quants_and_only_without_amx_or_int8(avx512_kernels
 
 
 @needs_kernels
-def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(tmp_path, monkeypatch, avx512_kernels):
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q8_0"])
+def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(recipe, tmp_path, monkeypatch, avx512_kernels):
     """A small Llama-shaped Q4_K_M file (Q4_K, Q6_K, a tied Q6_K head): with AMX off, its K-quant weights load
-    tiled for VNNI, and one prefill's logits and the fused decode steps' are those of the blocks' layout."""
+    tiled for VNNI, and one prefill's logits and the fused decode steps' are those of the blocks' layout. A
+    Q8_0 file's weights tile too; their dots are not the q8 rows' float order, so its logits (the LM head runs
+    its GEMV on every row) must agree with the rows' within fp32 rounding, with the same greedy tokens, and
+    the tiled engine's prefill and decode logits must still agree as tightly as the rows' do."""
     from quill.config import CacheConfig, EngineConfig
     from quill.engine.consistency import prefill_vs_decode
     from quill.engine.engine import LLMEngine
 
     shape = dataclasses.replace(MODELS["llama-3.2-1b"], hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
-    path = tmp_path / "small-Q4_K_M.gguf"
-    write_synth(path, shape, "Q4_K_M", num_layers=2, vocab=512)
+    path = tmp_path / f"small-{recipe}.gguf"
+    write_synth(path, shape, recipe, num_layers=2, vocab=512)
     monkeypatch.setenv("QUILL_NO_AMX", "1")
     monkeypatch.delenv("QUILL_NO_AVX512", raising=False)
 
@@ -99,18 +156,25 @@ def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(tmp_path, mo
     weights = [getattr(m, "weight", None) for m in tiled_engine.runner.model.modules()]
     parts = [p for w in weights for p in getattr(w, "parts", [w])]
     kinds = {p.kind for p in parts if isinstance(p, tiled.TiledWeight) and p.vnni}
-    assert {"q4", "q6"} <= kinds, kinds
+    assert ({"q4", "q6"} if recipe == "Q4_K_M" else {"q8"}) <= kinds, kinds
     monkeypatch.setattr(tiled, "for_cpu", lambda w: w)
     blocks_engine = engine()
     ids = [(7 * i + 3) % 500 + 1 for i in range(40)]
     a, b = prefill_vs_decode(tiled_engine, ids, 24)
     a_ref, b_ref = prefill_vs_decode(blocks_engine, ids, 24)
-    assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
+    if recipe == "Q4_K_M":
+        assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
+        return
+    for got, want in ((a, a_ref), (b, b_ref)):
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got - want).abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (a - b).abs().max() <= max(2 * (a_ref - b_ref).abs().max(), 1e-5 * a_ref.abs().max())
 
 
 @needs_kernels
-def test_the_vnni_quill_layout_maps_the_same_tiles(tmp_path, monkeypatch, avx512_kernels):
-    """`quill convert --layout vnni` writes the K-quants as the VNNI tiles (auto picks it without AMX): the
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q8_0"])
+def test_the_vnni_quill_layout_maps_the_same_tiles(recipe, tmp_path, monkeypatch, avx512_kernels):
+    """`quill convert --layout vnni` writes the K-quants and Q8_0 as the VNNI tiles (auto picks it without AMX): the
     file loads the same objects as the GGUF does on such an engine, with the same logits; an engine that
     does not run the VNNI tiles (int8 activations here) refuses it naming what to do."""
     from quill.bench.accuracy import position_logits
@@ -122,8 +186,8 @@ def test_the_vnni_quill_layout_maps_the_same_tiles(tmp_path, monkeypatch, avx512
     monkeypatch.delenv("QUILL_NO_AVX512", raising=False)
     monkeypatch.delenv("QUILL_INT8_ACTIVATIONS", raising=False)
     shape = dataclasses.replace(MODELS["llama-3.2-1b"], hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
-    src = tmp_path / "small-Q4_K_M.gguf"
-    write_synth(src, shape, "Q4_K_M", num_layers=1, vocab=512)
+    src = tmp_path / f"small-{recipe}.gguf"
+    write_synth(src, shape, recipe, num_layers=1, vocab=512)
     assert quillfile.resolve_layout("auto") == "vnni"
     out = tmp_path / "small.quill"
     assert convert(src, out, progress=False).layout == "vnni"  # verified tensor by tensor before the rename
@@ -132,7 +196,7 @@ def test_the_vnni_quill_layout_maps_the_same_tiles(tmp_path, monkeypatch, avx512
     mapped, direct = load_model(str(out), context_len=64), load_model(str(src), context_len=64)
     assert mapped.model.resident_bytes() == direct.model.resident_bytes()
     down = mapped.model.layers[0].mlp.down_proj.weight
-    assert isinstance(down, tiled.TiledWeight) and down.vnni
+    assert isinstance(down, tiled.TiledWeight) and down.vnni and down.kind == ("q8" if recipe == "Q8_0" else "q6")
     ids = [(5 * i + 2) % 500 + 1 for i in range(20)]
     assert torch.equal(position_logits(mapped, ids), position_logits(direct, ids))
     monkeypatch.setenv("QUILL_INT8_ACTIVATIONS", "1")

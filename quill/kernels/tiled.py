@@ -7,8 +7,9 @@ layout. Q4_K, Q5_K, IQ4_XS and Q6_K blocks tile too, their codes as nibbles (IQ4
 table; Q5_K's top bit and Q6_K's top 2 bits in planes of their own) and their scales as the file
 stores them: an int8 per 32 weights (Q6_K: 16) times an fp16 factor per 256, so the tiles take 1.03x
 (Q4_K), 1.023x (Q5_K), 1.015x (IQ4_XS) and 1.0x (Q6_K) the file's bytes. The kernel and the byte order are
-described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64), the other
-GGUF block types and CPUs without AMX keep their layout.
+described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64) and the other
+GGUF block types keep their layout; so does every weight on a CPU without AMX, except the K-quants and
+Q8_0 where the VNNI tiles read the same layout (tile_for_vnni, csrc/kquant_i8.c).
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ def available(opts: options.KernelOptions | None = None) -> bool:
 
 
 def vnni_available(opts: options.KernelOptions | None = None) -> bool:
-    """Whether K-quant weights loaded now take the tiled layout for the VNNI tiles instead (where AMX does not
-    tile them): the options ask for the AVX-512 kernels with exact activations (int8 activations keep the
+    """Whether K-quant and Q8_0 weights loaded now take the tiled layout for the VNNI tiles instead (where AMX
+    does not tile them): the options ask for the AVX-512 kernels with exact activations (int8 activations keep the
     blocks, which their kernels read) and the CPU has AVX-512 VNNI."""
     lib = native.load()
     opts = opts or options.current()
@@ -179,10 +180,16 @@ def tile_weight(w) -> TiledWeight | None:
     return TiledWeight(w.kind, _tiles(codes, w.kind), _blocked(w.scale, n, w.groups, half), mins)
 
 
-def tile_for_vnni(w: BlockWeight) -> TiledWeight | None:
-    """A K-quant weight's tiled form for the VNNI tiles (None for other types or shapes): for_cpu's rule where
-    AMX does not tile."""
-    return _tile_kscales(w, vnni=True)
+def tile_for_vnni(w) -> TiledWeight | None:
+    """A weight's tiled form for the VNNI tiles (None for other types or shapes): for_cpu's rule where AMX does
+    not tile. They take the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K) and Q8_0: a q8 PackedWeight without mins whose
+    scales are fp16 (the file's), 256 columns to a block of the tiles' digits."""
+    if isinstance(w, BlockWeight):
+        return _tile_kscales(w, vnni=True)
+    if (not isinstance(w, PackedWeight) or w.kind != "q8" or w.rows % ROWS or w.cols % 256
+            or (w.mins is not None and bool(w.mins.any())) or not _fp16_exact(w.scale)):
+        return None
+    return TiledWeight("q8", _tiles(w.codes, "q8"), _blocked(w.scale, w.rows, w.groups, True), None, vnni=True)
 
 
 def _tile_kscales(w: BlockWeight, vnni: bool = False) -> TiledWeight | None:
@@ -200,16 +207,15 @@ def _tile_kscales(w: BlockWeight, vnni: bool = False) -> TiledWeight | None:
 def for_cpu(w):
     """The layout the fastest kernel on this CPU reads: tiled where AMX is available and the shape fits;
     without AMX, where the VNNI tiles run (vnni_available), the K-quant weights (Q4_K, Q5_K, IQ4_XS, Q6_K)
-    tiled for them: the same layout, each 16 rows' super-block one contiguous read with its codes already
-    in the tiles' order. The other weights keep their own layout; a split weight's parts are each tiled
+    and Q8_0's tiled for them (tile_for_vnni): the same layout, each 16 rows' super-block one contiguous read
+    with its codes already in the tiles' order. The other weights keep their own layout; a split weight's parts are each tiled
     or not. Options with retile=False (quill convert's portable objects) keep every weight as it is."""
     if w is None or not options.current().retile:
         return w
     if available():
         tile = tile_weight
     elif vnni_available():
-        def tile(p):
-            return tile_for_vnni(p) if isinstance(p, BlockWeight) else None
+        tile = tile_for_vnni
     else:
         return w
     if isinstance(w, SplitWeight):

@@ -38,9 +38,11 @@ import torch
 from quill.config import ModelConfig, UnsupportedModelError
 
 SUFFIX = ".quill"
-FORMAT_VERSION = 1  # raise when the structure or a layout changes; older readers then refuse
+# Raise when the structure or a layout changes; older readers then refuse, this one reads every version up to
+# its own. 2: the vnni layout tiles Q8_0 too (version 1 files keep it packed, which still loads).
+FORMAT_VERSION = 2
 LAYOUTS = ("portable", "amx", "vnni")  # portable: packed / GGUF blocks / dense (AVX2+FMA+F16C kernels); amx: + 16x64
-# tiles; vnni: the K-quants as the same tiles for the VNNI kernels (kernels/tiled.py), the rest as portable
+# tiles; vnni: the K-quants and Q8_0 as the same tiles for the VNNI kernels (kernels/tiled.py), the rest as portable
 LAYOUT_FEATURES = {"portable": ("avx2", "fma", "f16c"), "amx": ("avx2", "fma", "f16c", "amx-int8"),
                    "vnni": ("avx2", "fma", "f16c", "avx512vnni")}
 SMALL_ALIGN, LARGE_ALIGN, LARGE_TENSOR = 64, 4096, 64 * 1024
@@ -244,8 +246,8 @@ def _encode_weight(w, table: _TensorTable, name: str) -> dict:
         return table._weights[original]
     if table.layout == "amx" and isinstance(w, (PackedWeight, BlockWeight)):
         w = tile_weight(w) or w  # exactly tiled.for_cpu's rule, split parts too
-    elif table.layout == "vnni" and isinstance(w, BlockWeight):
-        w = tile_for_vnni(w) or w
+    elif table.layout == "vnni" and isinstance(w, (PackedWeight, BlockWeight)):
+        w = tile_for_vnni(w) or w  # the K-quants and Q8_0, as tiled.for_cpu without AMX
     if isinstance(w, TiledWeight) or isinstance(w, PackedWeight):
         spec = {"t": "tiled" if isinstance(w, TiledWeight) else "packed", "kind": w.kind,
                 "codes": table.put(name + ".codes", w.codes), "scale": table.put(name + ".scale", w.scale),
@@ -329,7 +331,7 @@ def _decode_weight(spec: dict, get, layout: str = "amx"):
         if layout != ("vnni" if vnni else "amx"):
             raise QuillFileError(f"the file's structure holds {'VNNI' if vnni else 'AMX'} tiles but its layout is "
                                  f"{layout!r}")
-        if vnni and spec.get("scale_d") is None:
+        if vnni and spec.get("scale_d") is None and spec["kind"] != "q8":
             raise QuillFileError(f"VNNI {spec['kind']} tiles without K-quant scales in the file's structure")
         kscales = spec.get("scale_d") is not None
         if kscales and q8 or not kscales and spec["kind"] not in ("q4", "q8"):  # q4 tiles come either way
@@ -345,8 +347,10 @@ def _decode_weight(spec: dict, get, layout: str = "amx"):
         mins = None if mins is None else _checked(mins, scale.dtype, 3, "tile mins", tuple(scale.shape))
         factors = lambda key: _checked(get(spec[key]), torch.float16, 3, "K-quant scale factors",  # noqa: E731
                                        (blocks, cols // 256, ROWS))
+        if vnni and q8 and (mins is not None or scale.dtype != torch.float16):  # tiled.tile_for_vnni's Q8_0
+            raise QuillFileError("VNNI q8 tiles with mins or without fp16 scales in the file's structure")
         if not kscales:
-            return TiledWeight(spec["kind"], codes, scale, mins)
+            return TiledWeight(spec["kind"], codes, scale, mins, vnni=vnni)
         return TiledWeight(spec["kind"], codes, scale, mins, factors("scale_d"),
                            None if mins is None else factors("mins_d"), vnni)
     if kind == "blocks":

@@ -41,6 +41,7 @@
 
 #include "amx_tiles.h"
 #include "digits.h"
+#include "kformat.h"
 #include "simd.h"
 #include <math.h>
 #include <stdint.h>
@@ -57,11 +58,13 @@ void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *
                     int threads);
 long quill_amx_scratch_bytes(int B, int K);
 
-/* The block kind (kquant.c's) of a K-quant tiled kind. */
-static inline int block_kind(int kind) { return kind & KIND_Q6 ? 1 : kind & KIND_IQ4 ? 4 : kind & KIND_Q5 ? 5 : 0; }
+/* The VNNI tiles' kind (kquant.c's block kind; LAYOUT_Q8 for Q8_0) of a tiled kind. */
+static inline int block_kind(int kind) {
+    return kind & KIND_Q8 ? LAYOUT_Q8 : kind & KIND_Q6 ? 1 : kind & KIND_IQ4 ? 4 : kind & KIND_Q5 ? 5 : 0;
+}
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for a tiled weight: on the AMX tiles (quill_amx_gemv), or, with
- * kind bit 6 (KIND_VNNI, a K-quant weight tiled on a CPU or for an engine without AMX), on the VNNI tiles
+ * kind bit 6 (KIND_VNNI, a K-quant or Q8_0 weight tiled on a CPU or for an engine without AMX), on the VNNI tiles
  * (kquant.c's quill_gemv_kq_tiled). scratch: quill_tiled_scratch_bytes(kind, B, K). */
 void quill_tiled_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                       const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,

@@ -330,7 +330,7 @@ static inline const uint8_t *dig_block(const uint8_t *buf, long K, int b, long b
 /* x (B, K) fp32 with its sums xs (B, K / 32; read where the kind has mins) -> B digit buffers (layout
  * above) for a block kind's weights. */
 VNNI static void split_digits(int kind, const float *x, const float *xs, uint8_t *buf, int B, long K, int threads) {
-    const int off = kind == 1 ? 32 : kind == 4 ? 128 : 0, q6 = kind == 1, mins = kind == 0 || kind == 5;
+    const int off = kind == 1 ? 32 : kind == 4 || kind == LAYOUT_Q8 ? 128 : 0, q6 = kind == 1, mins = kind == 0 || kind == 5;
 #pragma omp parallel for schedule(static) if (B >= 4) num_threads(threads > 0 ? threads : 1)
     for (int b = 0; b < B; b++) {
         for (long g = 0; g < K / 32; g++) {
@@ -443,11 +443,18 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
         else { F(LAYOUT_Q8, __VA_ARGS__); }                                                          \
     } while (0)
 
+/* F(k, ...) for a kind the digits' tiles take (the block kinds, and LAYOUT_Q8: Q8_0 in the tiled layout). */
+#define TILED_CONST(F, kind, ...)                                                                    \
+    do {                                                                                             \
+        if ((kind) == LAYOUT_Q8) { F(LAYOUT_Q8, __VA_ARGS__); }                                      \
+        else { BLOCK_CONST(F, kind, __VA_ARGS__); }                                                  \
+    } while (0)
+
 #define ITEMS_I8(k, ...) NB_SWITCH(tile_items, k, 1, __VA_ARGS__)
 #define ITEMS_DIGITS(k, ...) NB_SWITCH(tile_items, k, 3, __VA_ARGS__)
 VNNI static void items_pass(int kind, int nd, const Tile *t, int has_mins, const uint8_t *act, long K,
                             long b, int ng, float *acc, int i0, int nb) {
-    if (nd == 3) BLOCK_CONST(ITEMS_DIGITS, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
+    if (nd == 3) TILED_CONST(ITEMS_DIGITS, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
     else KIND_CONST(ITEMS_I8, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
 }
 
@@ -599,10 +606,20 @@ int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, cons
  * place (16 times the value) and scales them by 1/16, which leaves every product and sum the same float;
  * Q6_K's tiles hold q - 32 (32 is added back: the codes 0..63 the offset terms expect), IQ4_XS's the
  * table's signed values (+128 as decode_blocks makes them), and the tiled mins are -dmin times m (negated
- * back, exactly). So the outputs are bit-identical to quill_gemv_tiles_exact's on the blocks. */
+ * back, exactly). So the outputs are bit-identical to quill_gemv_tiles_exact's on the blocks.
+ *
+ * Q8_0 tiles too (kind LAYOUT_Q8 here: 1024 bytes of signed codes per run, the file's fp16 scale per 32
+ * weights, no mins): its codes + 128 meet the digits as IQ4_XS's do, with the same offset terms, so a
+ * batch of items reuses each decoded line as for the K-quants, where the q8 rows (quant_gemv.c) spend
+ * one fp32 FMA per weight per item. */
+
+#define FUSE_ITEMS 2 /* items decode_tiled dots at once, straight from the codes */
+#ifndef FUSE_BATCH
+#define FUSE_BATCH 4 /* batches up to this many go FUSE_ITEMS at a time without the stored tile */
+#endif
 
 /* Bytes of one 64-column run of 16 rows' codes in the tiled layout, per block kind. */
-static inline long tiled_run_bytes(int kind) { return kind == 1 ? 768 : kind == 5 ? 640 : 512; }
+static inline long tiled_run_bytes(int kind) { return kind == LAYOUT_Q8 ? 1024 : kind == 1 ? 768 : kind == 5 ? 640 : 512; }
 
 typedef struct {
     const uint8_t *codes;
@@ -616,52 +633,68 @@ typedef struct {
  * are bit-identical to those, without the 48 stores and loads per super-block that cost a Zen 4 (a 512-bit
  * store there takes 2.4 cycles) more than a quarter of its batch-1 time. */
 VNNI static inline ALWAYS void fuse_chunk(const int kind, const Tile *t, const uint8_t *blk, __m512i acc[3][4], int cc,
-                                          __m512 *s) {
-    const int q6 = kind == 1, per = q6 ? 4 : 2, offset = q6 ? 32 : kind == 4 ? 128 : 0, mins = kind == 0 || kind == 5;
+                                          const int lpa, __m512 *s) {
+    const int q6 = kind == 1, per = q6 ? 4 : 2, offset = q6 ? 32 : kind == 4 || kind == LAYOUT_Q8 ? 128 : 0;
+    const int mins = kind == 0 || kind == 5;
     for (int j = 0; j < per; j++) {
         const int u = per * cc + j;
-        __m512i D[3];
+        __m512i D[3]; /* lpa: lines per accumulator, 4 (a unit's dot in one or two of them) or 8 (one) */
         for (int p = 0; p < 3; p++)
-            D[p] = _mm512_add_epi32(digits_from(blk, u, p, offset), q6 ? acc[p][j] : _mm512_add_epi32(acc[p][2 * j], acc[p][2 * j + 1]));
+            D[p] = _mm512_add_epi32(digits_from(blk, u, p, offset),
+                                    q6 || lpa == 8 ? acc[p][j] : _mm512_add_epi32(acc[p][2 * j], acc[p][2 * j + 1]));
         *s = digits_unit(t, blk, u, q6, mins, mins, D, *s);
     }
 }
 
-/* Super-block b of row block rb -> t, as decode_blocks would leave it; or, with f (an item's three digit
- * planes at f->q), the item's dots combined chunk by chunk into its 16 sums *s (fuse_chunk; blk: the item's
- * digit block of super-block b). */
-VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, long K, long rb, long b, Tile *t, Fuse *f,
-                                            const uint8_t *blk, __m512 *s) {
+/* Super-block b of row block rb -> t, as decode_blocks would leave it (ni = 0); or the dots of ni items
+ * (blks[i]: item i's digit block of super-block b, its three planes at DIG_Q) combined chunk by chunk into
+ * their 16 sums s[i] (fuse_chunk). One item keeps four lines per accumulator, so six dot chains are open at
+ * once for vpdpbusd's latency; two keep a whole unit's lines in one (Q6_K: four lines, its unit), so their
+ * 12 (Q6_K: 24) accumulators stay in registers. The integer dots are the same either way. */
+VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, long K, long rb, long b, Tile *t,
+                                            const int ni, const uint8_t *const *blks, __m512 *s) {
     const long C = K / 64, run = tiled_run_bytes(kind);
     const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
     const __m512i n4 = _mm512_set1_epi8(15);
     if (kind == 1) {
         const long G16 = K / 16;
         for (int c = 0; c < 16; c++) t->sc[c] = kscale_group(w->scale, w->scale_d, rb * G16 + 16 * b + c, 4);
+    } else if (kind == LAYOUT_Q8) { /* Q8_0: the file's fp16 scale per 32 weights, as they are */
+        const long G = K / 32;
+        for (int u = 0; u < 8; u++)
+            t->sc[u] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + (rb * G + 8 * b + u) * 16)));
     } else {
         const long G = K / 32;
         for (int u = 0; u < 8; u++) {
             t->sc[u] = kscale_group(w->scale, w->scale_d, rb * G + 8 * b + u, 3);
             if (kind == 0 && u % 2) t->sc[u] = _mm512_mul_ps(t->sc[u], _mm512_set1_ps(0.0625f)); /* codes 16 q: below */
-            if (kind != 4) /* -(-dmin * m): dmin * m, as decode_blocks */
+            if (kind == 0 || kind == 5) /* -(-dmin * m): dmin * m, as decode_blocks */
                 t->mn[u] = _mm512_xor_ps(kscale_group(w->mins, w->mins_d, rb * G + 8 * b + u, 3), _mm512_set1_ps(-0.0f));
         }
     }
     const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
+    const int lpa = ni > 1 && kind != 1 ? 8 : 4;
 #pragma GCC unroll 1
     for (int cc = 0; cc < 4; cc++, src += run) { /* a chunk at a time: its 16 lines unrolled, its dots in registers */
-        __m512i acc[3][4];
-        const int nd = f ? f->nd : 0;
-        for (int p = 0; p < nd; p++)
-            for (int k = 0; k < 4; k++) acc[p][k] = _mm512_setzero_si512();
+        __m512i acc[FUSE_ITEMS][3][4];
+        for (int i = 0; i < ni; i++)
+            for (int p = 0; p < 3; p++)
+                for (int k = 0; k < 16 / lpa; k++) acc[i][p][k] = _mm512_setzero_si512();
 #define PUT(line, v)                                                                                          \
     do {                                                                                                      \
         const __m512i v_ = (v);                                                                               \
-        if (!f) t->c[16 * cc + (line)] = v_;                                                                  \
-        else for (int p = 0; p < nd; p++)                                                                     \
-            acc[p][(line) / 4] = _mm512_dpbusd_epi32(acc[p][(line) / 4], v_, bcast4(f->q[p] + 4 * (16 * cc + (line)))); \
+        if (!ni) t->c[16 * cc + (line)] = v_;                                                                 \
+        const int l_ = (line); /* (before the loops: a caller's line index may be called i) */              \
+        for (int i_ = 0; i_ < ni; i_++)                                                                       \
+            for (int p_ = 0; p_ < 3; p_++)                                                                    \
+                acc[i_][p_][l_ / lpa] = _mm512_dpbusd_epi32(acc[i_][p_][l_ / lpa], v_,                        \
+                                                            bcast4((const int8_t *)blks[i_] + DIG_Q + 256 * p_ + 4 * (16 * cc + l_))); \
     } while (0)
-        if (kind == 0 || kind == 4) {
+        if (kind == LAYOUT_Q8) { /* signed codes + 128: unsigned for vpdpbusd (the offset terms take it back) */
+            const __m512i flip = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) PUT(i, _mm512_xor_si512(_mm512_loadu_si512(src + 64 * i), flip));
+        } else if (kind == 0 || kind == 4) {
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) {
                 const __m512i v = _mm512_loadu_si512(src + 64 * i);
@@ -692,34 +725,39 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
             }
         }
 #undef PUT
-        if (f) fuse_chunk(kind, t, blk, acc, cc, s);
+        for (int i = 0; i < ni; i++) fuse_chunk(kind, t, blks[i], acc[i], cc, lpa, &s[i]);
     }
 }
 
 VNNI static void decode_tiled_any(int kind, const TiledSrc *w, long K, long rb, long b, Tile *t) {
 #define DECODE_TILED(k, ...) decode_tiled(k, __VA_ARGS__)
-    BLOCK_CONST(DECODE_TILED, kind, w, K, rb, b, t, NULL, NULL, NULL);
+    TILED_CONST(DECODE_TILED, kind, w, K, rb, b, t, 0, NULL, NULL);
 #undef DECODE_TILED
 }
 
-/* one_item_k for the tiled layout: decode straight into the item's three digit planes' dots, each chunk's
- * combined into the item's sums as it ends (fuse_chunk; Fuse's d is not used here). */
-VNNI static inline ALWAYS void one_tiled_k(const int kind, const TiledSrc *w, long K, long rb, long b,
-                                           const uint8_t *digits, float *acc, int item) {
+/* one_item_k for the tiled layout: decode straight into the ni items' three digit planes' dots (items
+ * item .. item + ni - 1, sums at acc), each chunk's combined into the items' sums as it ends (fuse_chunk). */
+VNNI static inline ALWAYS void fused_tiled_k(const int kind, const int ni, const TiledSrc *w, long K, long rb, long b,
+                                             const uint8_t *digits, float *acc, int item) {
     Tile t;
-    Fuse f;
-    f.nd = 3;
-    const uint8_t *blk = dig_block(digits, K, item, b);
-    for (int p = 0; p < 3; p++) f.q[p] = (const int8_t *)blk + DIG_Q + 256 * p;
-    __m512 s = _mm512_loadu_ps(acc);
-    decode_tiled(kind, w, K, rb, b, &t, &f, blk, &s);
-    _mm512_storeu_ps(acc, s);
+    const uint8_t *blks[FUSE_ITEMS];
+    __m512 s[FUSE_ITEMS];
+    for (int i = 0; i < ni; i++) {
+        blks[i] = dig_block(digits, K, item + i, b);
+        s[i] = _mm512_loadu_ps(acc + 16 * i);
+    }
+    decode_tiled(kind, w, K, rb, b, &t, ni, blks, s);
+    for (int i = 0; i < ni; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
 }
 
-VNNI static void one_tiled(int kind, const TiledSrc *w, long K, long rb, long b, const uint8_t *digits, float *acc, int item) {
-#define ONE_TILED(k, ...) one_tiled_k(k, __VA_ARGS__)
-    BLOCK_CONST(ONE_TILED, kind, w, K, rb, b, digits, acc, item);
+VNNI static void fused_tiled(int kind, int ni, const TiledSrc *w, long K, long rb, long b, const uint8_t *digits,
+                             float *acc, int item) {
+#define ONE_TILED(k, ...) fused_tiled_k(k, 1, __VA_ARGS__)
+#define TWO_TILED(k, ...) fused_tiled_k(k, 2, __VA_ARGS__)
+    if (ni == 1) TILED_CONST(ONE_TILED, kind, w, K, rb, b, digits, acc, item);
+    else TILED_CONST(TWO_TILED, kind, w, K, rb, b, digits, acc, item);
 #undef ONE_TILED
+#undef TWO_TILED
 }
 
 /* Whether a batch-1 pass over the tiled layout asks for its weights ahead (simd.h's prefetch_block): not
@@ -760,16 +798,18 @@ VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, 
                    * against without: Q4_K 0.94-0.96x, IQ4_XS 0.95-0.99x, Q6_K 0.87-0.90x; the AMX kernel
                    * asks for its own) */
                     prefetch_block(w->codes + ((long)rb * C + 4 * b) * run, 4 * run);
-                    const long sb = (long)rb * nblk + b, per = kind == 1 ? 256 : 128; /* 16 rows' int8 scales */
+                    /* 16 rows' int8 scales (Q8_0: fp16) */
+                    const long sb = (long)rb * nblk + b, per = kind == 1 || kind == LAYOUT_Q8 ? 256 : 128;
                     prefetch_block(w->scale + sb * per, per);
-                    prefetch_block(w->scale_d + sb * 16, 32);
+                    if (w->scale_d) prefetch_block(w->scale_d + sb * 16, 32);
                     if (w->mins) {
                         prefetch_block(w->mins + sb * per, per);
                         prefetch_block(w->mins_d + sb * 16, 32);
                     }
                 }
-                if (nc == 1) {
-                    one_tiled(kind, w, K, rb, b, digits, acc, c0);
+                if (nc <= FUSE_BATCH) { /* the items in pairs (an odd one alone), each straight from the codes */
+                    for (int i = 0; i < nc; i += FUSE_ITEMS)
+                        fused_tiled(kind, nc - i < FUSE_ITEMS ? nc - i : FUSE_ITEMS, w, K, rb, b, digits, acc + 16 * i, c0 + i);
                     continue;
                 }
                 decode_tiled_any(kind, w, K, rb, b, &t);
@@ -783,15 +823,16 @@ VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, 
     }
 }
 
-/* quill_gemv_tiles_exact for a K-quant weight in the tiled layout: kind 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K;
- * codes, scale, mins, scale_d, mins_d as amx_gemv.c's header states (mins NULL for Q6_K and IQ4_XS); N a
- * multiple of 16, K of 256; xs and digits as there. Returns 0, or -1 (nothing written) without VNNI or for
- * another kind or shape. */
+/* quill_gemv_tiles_exact for a weight in the tiled layout: kind 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K, or
+ * LAYOUT_Q8 (Q8_0: int8 codes, fp16 scales, scale_d and mins NULL); codes, scale, mins, scale_d, mins_d as
+ * amx_gemv.c's header states (mins NULL for Q6_K and IQ4_XS); N a multiple of 16, K of 256; xs and digits
+ * as there. Returns 0, or -1 (nothing written) without VNNI or for another kind or shape. */
 int quill_gemv_tiled_exact(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
                            const uint16_t *scale_d, const uint16_t *mins_d, const float *x, const float *xs,
                            uint8_t *digits, float *out, int N, int K, int B, int ld, int threads) {
-    if (!quill_hw_vnni() || !tile_block_kind(kind) || K % 256 || N % 16) return -1;
+    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8) || K % 256 || N % 16) return -1;
     if ((kind == 0 || kind == 5) && !(mins && mins_d)) return -1;
+    if (kind == LAYOUT_Q8 && mins) return -1; /* Q8_0's tiles: no mins */
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
     split_digits(kind, x, xs, digits, B, K, threads);
     tiled_gemm(kind, &w, digits, K, N, B, out, ld, threads);
