@@ -17,7 +17,8 @@ MIB = 2**20
 def _report(path: str, quill: dict, ref: dict | None = None, file_mib: float = 100, resident_mib: float = 120) -> dict:
     r = {"path": path, "file_bytes": int(file_mib * MIB), "weight_bytes": int(resident_mib * MIB),
          "step_weight_bytes": int(resident_mib * MIB),
-         "kv_bytes_per_token": 1000, "bandwidth_gbs": 10.0, "quill": quill}
+         "kv_bytes_per_token": 1000, "bandwidth_gbs": 10.0, "quill": quill,
+         "bandwidth_probes": {"start": [9.0], "quill": [10.0, 9.5], "llama.cpp": [] if ref is None else [8.0]}}
     if ref is not None:
         r["llama.cpp"] = ref
     return r
@@ -177,10 +178,15 @@ def test_models_runs_each_in_turn_and_prints_the_matrix(two_files, tmp_path, cap
     assert [m["path"] for m in report["models"]] == [str(a), str(b)]
     for row, model in zip(report["matrix"], report["models"]):
         assert row["file_bytes"] == model["file_bytes"] == (a if row["model"] == a.name else b).stat().st_size
+        # the bandwidth probed before each decode figure; the roofline is against the run's highest
+        probes = model["bandwidth_probes"]
+        assert len(probes["quill"]) == 2 and probes["llama.cpp"] == []  # batches 1 and 2, one context
+        assert model["bandwidth_gbs"] == max(probes["start"] + probes["quill"])
         assert row["resident_bytes"] == model["weight_bytes"] > 0
         assert row["resident_over_file"] == pytest.approx(model["weight_bytes"] / model["file_bytes"])
         assert set(model["quill"]["decode_tps"]) == {"1x16", "2x16"} and row["prefill_len"] == 16
         assert row["decode_b1_tps"] > 0 and row["decode_top_tps"] > 0 and row["roofline_b1"] > 0
+    assert text.count("read bandwidth probed (GB/s): start ") == 2
 
 
 def test_model_alone_prints_no_matrix(two_files, capsys):

@@ -150,15 +150,15 @@ def measure_model(model: str | None, args: argparse.Namespace, prefill, batches,
         threads = quill.threads
         print(f"quill bench latency: {quill.model_name}, {threads} threads, {quill.activations} activations, median of "
               f"{args.repeats}", file=sys.stderr)
-        if bandwidth is None:
-            bandwidth = measure_bandwidth(args.repeats)
+        probes = {"start": [measure_bandwidth(args.repeats) if bandwidth is None else bandwidth], "quill": [],
+                  "llama.cpp": []}
         report = {"model": quill.model_name, "path": str(quill.model_path), "threads": threads,
-                  "bandwidth_gbs": bandwidth, "weight_bytes": quill.weight_bytes, "file_bytes": quill.file_bytes,
+                  "bandwidth_probes": probes, "weight_bytes": quill.weight_bytes, "file_bytes": quill.file_bytes,
                   "step_weight_bytes": quill.step_weight_bytes,
                   "kv_bytes_per_token": quill.kv_bytes_per_token, "kv_cache_dtype": quill.kv_cache_dtype,
                   "activations": quill.activations, "quill": {}}
         tokens = quill.sample_tokens(max(prefill + contexts))
-        report["quill"] = _measure(quill, tokens, prefill, batches, contexts, args)
+        report["quill"] = _measure(quill, tokens, prefill, batches, contexts, args, probes["quill"])
         report["quill"]["gemv_kernel"] = quill.gemv_read_rate(max(args.repeats, 5))
     finally:
         quill.close()  # before llama.cpp loads the same file
@@ -167,14 +167,16 @@ def measure_model(model: str | None, args: argparse.Namespace, prefill, batches,
 
         ref = LlamaCppRunner(report["path"], threads, max(batches), max_len)
         try:
-            report["llama.cpp"] = _measure(ref, tokens, prefill, batches, contexts, args)
+            report["llama.cpp"] = _measure(ref, tokens, prefill, batches, contexts, args, probes["llama.cpp"])
         finally:
             ref.close()
+    report["bandwidth_gbs"] = max(v for side in probes.values() for v in side)
     return report
 
 
 def _run_matrix(models: list[str], args: argparse.Namespace, prefill, batches, contexts) -> int:
-    """Each model in turn with the same options (one engine alive at a time), then the table of ratios."""
+    """Each model in turn with the same options (one engine alive at a time), then the table of ratios. Each
+    model's roofline is against the highest bandwidth probed during its own run (measure_model)."""
     bandwidth = measure_bandwidth(args.repeats)
     reports = []
     for i, model in enumerate(models, 1):
@@ -188,7 +190,7 @@ def _run_matrix(models: list[str], args: argparse.Namespace, prefill, batches, c
         print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": reports[0]["threads"], "bandwidth_gbs": bandwidth, "prefill": prefill,
+            json.dump({"threads": reports[0]["threads"], "bandwidth_gbs": max(r["bandwidth_gbs"] for r in reports), "prefill": prefill,
                        "batches": batches, "contexts": contexts, "models": reports, "matrix": rows}, f, indent=2)
     return 0
 
@@ -262,12 +264,17 @@ def format_matrix(rows: list[dict], has_ref: bool) -> list[str]:
     return lines
 
 
-def _measure(runner, tokens, prefill, batches, contexts, args) -> dict:
+def _measure(runner, tokens, prefill, batches, contexts, args, probes: list[float]) -> dict:
+    """One engine's figures; the read bandwidth probed before each decode figure is appended to probes. On a
+    shared host it moves from minute to minute (an AMD EPYC Zen 4 VM read 36 GB/s, then 64 a few minutes
+    later), so the roofline is taken against the highest probe of the model's whole run, and the report
+    shows the range each engine ran under."""
     out = {"prefill_tps": {}, "decode_tps": {}, "step_breakdown": {}}
     for n in prefill:
         out["prefill_tps"][str(n)] = runner.prefill_tps(tokens[:n], args.repeats)
     for ctx in contexts:
         for b in batches:
+            probes.append(measure_bandwidth(args.repeats))
             out["decode_tps"][f"{b}x{ctx}"] = runner.decode_tps(tokens[:ctx], b, args.decode_steps, args.repeats)
             breakdown = getattr(runner, "last_breakdown", None)
             if breakdown:
@@ -279,7 +286,9 @@ def _print_report(r: dict, prefill, batches, contexts) -> None:
     bw = r["bandwidth_gbs"]
     has_ref = "llama.cpp" in r
     print(f"model {r['model']}, {r['threads']} threads, {r.get('activations', 'exact')} activations; measured read "
-          f"bandwidth {bw:.2f} GB/s")
+          f"bandwidth {bw:.2f} GB/s (the highest probe of this model's run)")
+    ranges = [f"{side} {min(v):.1f}-{max(v):.1f}" for side, v in r["bandwidth_probes"].items() if v]
+    print(f"read bandwidth probed (GB/s): {', '.join(ranges)}")
     step = r["step_weight_bytes"]
     table = f" ({r['weight_bytes'] / 2**20:.1f} MiB resident, less the untied token embedding)" if step != r["weight_bytes"] else ""
     print(f"bytes per decode step: weights {step / 2**20:.1f} MiB{table} + KV {r['kv_bytes_per_token'] / 1024:.1f} KiB x "
