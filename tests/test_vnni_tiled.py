@@ -29,6 +29,28 @@ def _weight(qtype, rows=48, cols=512, seed=0) -> BlockWeight:
     return block_weight(qtype, (rows, cols), raw)
 
 
+def _inputs(cols: int, seed: int) -> torch.Tensor:
+    """40 items of x: item 3 holds a NaN (it must stay in its own row), item 5 is all zero (no digits)."""
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(seed))
+    x[3, 7] = float("nan")
+    x[5] = 0.0
+    return x
+
+
+def _gemvs(batch: int, x: torch.Tensor, *linears: PackedLinear) -> list[torch.Tensor]:
+    """Each linear's GEMV of the first `batch` items of x."""
+    outs = [torch.empty(batch, lin.out_features) for lin in linears]
+    for lin, out in zip(linears, outs):
+        lin.gemv(x[:batch].contiguous(), out)
+    return outs
+
+
+def _error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest error against the float64 product over the rows without a NaN, relative to its largest value."""
+    fine = ~exact.isnan().any(1)
+    return ((got[fine].double() - exact[fine]).abs().max() / exact[fine].abs().max()).item()
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_tiled_for_vnni_gives_the_blocks_outputs_bit_for_bit(qtype, avx512_kernels):
@@ -38,19 +60,12 @@ def test_tiled_for_vnni_gives_the_blocks_outputs_bit_for_bit(qtype, avx512_kerne
         assert isinstance(w, tiled.TiledWeight) and w.vnni and w.native_kind & 64
         assert w.nbytes <= 1.1 * blocks.nbytes
         ref_lin, lin = PackedLinear(blocks, None, Workspace()), PackedLinear(w, None, Workspace())
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(40, blocks.cols, generator=gen)
-        x[3, 7] = float("nan")  # one item's NaN stays in its own row
-        x[5] = 0.0
+        x = _inputs(blocks.cols, 1)
         exact = x.double() @ blocks.dequantize().double().T
         for batch in (1, 2, 7, 16, 17, 40):
-            got, want = torch.empty(batch, w.rows), torch.empty(batch, w.rows)
-            lin.gemv(x[:batch].contiguous(), got)
-            ref_lin.gemv(x[:batch].contiguous(), want)
+            got, want = _gemvs(batch, x, lin, ref_lin)
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), batch
-            fine = ~exact[:batch].isnan().any(1)
-            err = (got[fine].double() - exact[:batch][fine]).abs().max() / exact[:batch][fine].abs().max()
-            assert err < 1e-5, (batch, err.item())
+            assert _error(got, exact[:batch]) < 1e-5, batch
         alone = torch.empty(1, w.rows)
         lin.gemv(x[9:10].clone(), alone)
         batched = torch.empty(16, w.rows)
@@ -85,19 +100,12 @@ def test_q8_0_on_the_vnni_tiles_is_exact_and_batch_invariant(avx512_kernels):
         assert isinstance(w, tiled.TiledWeight) and w.vnni and w.kind == "q8" and w.native_kind == 1 | 2 | 64
         assert w.scale.dtype == torch.float16 and w.nbytes <= 1.1 * packed.nbytes
         lin, rows_lin = PackedLinear(w, None, Workspace()), PackedLinear(packed, None, Workspace())
-        gen = torch.Generator().manual_seed(3)
-        x = torch.randn(40, packed.cols, generator=gen)
-        x[3, 7] = float("nan")
-        x[5] = 0.0
+        x = _inputs(packed.cols, 3)
         exact = x.double() @ packed.dequantize().double().T
         for batch in (1, 2, 5, 16, 17, 40):
-            got, rows_out = torch.empty(batch, w.rows), torch.empty(batch, w.rows)
-            lin.gemv(x[:batch].contiguous(), got)
-            rows_lin.gemv(x[:batch].contiguous(), rows_out)
+            got, rows_out = _gemvs(batch, x, lin, rows_lin)
             assert torch.equal(got.isnan(), rows_out.isnan()), batch
-            fine = ~exact[:batch].isnan().any(1)
-            err = (got[fine].double() - exact[:batch][fine]).abs().max() / exact[:batch][fine].abs().max()
-            assert err < 1e-5, (batch, err.item())
+            assert _error(got, exact[:batch]) < 1e-5, batch
             if batch > 5:
                 assert (got[5] == 0).all()  # an all-zero item has no digits
         alone = torch.empty(1, w.rows)
