@@ -30,8 +30,9 @@ def _weight(qtype, rows=48, cols=512, seed=0) -> BlockWeight:
 
 
 def _inputs(cols: int, seed: int) -> torch.Tensor:
-    """40 items of x: item 3 holds a NaN (it must stay in its own row), item 5 is all zero (no digits)."""
-    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(seed))
+    """70 items of x (more than one 64-item chunk): item 3 holds a NaN (it must stay in its own row), item 5 is
+    all zero (no digits)."""
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(seed))
     x[3, 7] = float("nan")
     x[5] = 0.0
     return x
@@ -62,7 +63,7 @@ def test_tiled_for_vnni_gives_the_blocks_outputs_bit_for_bit(qtype, avx512_kerne
         ref_lin, lin = PackedLinear(blocks, None, Workspace()), PackedLinear(w, None, Workspace())
         x = _inputs(blocks.cols, 1)
         exact = x.double() @ blocks.dequantize().double().T
-        for batch in (1, 2, 7, 16, 17, 40):
+        for batch in (1, 2, 7, 16, 17, 40, 70):
             got, want = _gemvs(batch, x, lin, ref_lin)
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), batch
             assert _error(got, exact[:batch]) < 1e-5, batch
@@ -102,14 +103,14 @@ def test_q8_0_on_the_vnni_tiles_is_exact_and_batch_invariant(avx512_kernels):
         lin, rows_lin = PackedLinear(w, None, Workspace()), PackedLinear(packed, None, Workspace())
         x = _inputs(packed.cols, 3)
         exact = x.double() @ packed.dequantize().double().T
-        for batch in (1, 2, 5, 16, 17, 40):
+        for batch in (1, 2, 5, 16, 17, 40, 70):
             got, rows_out = _gemvs(batch, x, lin, rows_lin)
             assert torch.equal(got.isnan(), rows_out.isnan()), batch
             assert _error(got, exact[:batch]) < 1e-5, batch
             if batch > 5:
                 assert (got[5] == 0).all()  # an all-zero item has no digits
         alone = torch.empty(1, w.rows)
-        for batch, row in ((16, 9), (3, 2), (4, 1)):  # the stored tile, then the items fused in pairs
+        for batch, row in ((16, 9), (3, 2), (4, 1), (70, 66)):  # the stored tile, the items fused in pairs, a second chunk
             batched = torch.empty(batch, w.rows)
             lin.gemv(x[row:row + 1].clone(), alone)
             lin.gemv(x[:batch].contiguous(), batched)

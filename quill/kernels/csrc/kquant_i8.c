@@ -499,11 +499,12 @@ VNNI static void one_item(int kind, int nd, const uint8_t *const *rows, const ui
 }
 
 /* out (B, ld) columns [0, N) for the VNNI tiles: items in chunks (CHUNK with int8 activations, DCHUNK with
- * digits: their planes stay in L2), each chunk meeting every 16-row tile (tiles split among threads);
- * within a tile, each super-block / stretch is decoded once and meets the chunk's items IT (digits: DIT)
- * at a time (a chunk of one item: one_item). A last partial tile repeats row N - 1 and stores only its
- * real rows. */
-#define DCHUNK 16
+ * digits: their planes stay in L2, or L3 for the widest inputs), each chunk meeting every 16-row tile (tiles
+ * split among threads); within a tile, each super-block / stretch is decoded once and meets the chunk's
+ * items IT (digits: DIT) at a time (a chunk of one item: one_item). A last partial tile repeats row N - 1
+ * and stores only its real rows. DCHUNK matters only above 16 items (a prefill): 512-token prefill on the
+ * Zen 4, in-engine, 64 against 16: 1B Q4_K_M 1.037x the tokens per second (32: 1.023x), Q8_0 1.125x. */
+#define DCHUNK 64
 #define DIT 6 /* items per pass over a decoded tile with digits: 3 chains each, 18 in all (8: spills) */
 VNNI static void tile_gemm(int kind, int nd, const uint8_t *codes, const float *scale, const float *mins,
                            const uint8_t *act, long K, int N, int B, float *out, int ld, int threads) {
