@@ -615,9 +615,7 @@ int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, cons
  * one fp32 FMA per weight per item. */
 
 #define FUSE_ITEMS 2 /* items decode_tiled dots at once, straight from the codes */
-#ifndef FUSE_BATCH
 #define FUSE_BATCH 4 /* batches up to this many go FUSE_ITEMS at a time without the stored tile */
-#endif
 
 /* Bytes of one 64-column run of 16 rows' codes in the tiled layout, per block kind. */
 static inline long tiled_run_bytes(int kind) { return kind == LAYOUT_Q8 ? 1024 : kind == 1 ? 768 : kind == 5 ? 640 : 512; }
