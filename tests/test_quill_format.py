@@ -409,3 +409,23 @@ def test_k_quant_tiles_need_their_scale_factors_and_q8_tiles_have_none():
     t = quillfile._decode_weight({"t": "tiled", "kind": "iq4", "codes": "c", "scale": "s", "mins": None,
                                   "scale_d": "d"}, get)  # 256 columns of IQ4_XS: one factor per row
     assert (t.kind, t.rows, t.cols, t.native_kind) == ("iq4", 16, 256, 8 | 4)
+
+
+def test_vnni_q8_tiles_must_be_what_tile_for_vnni_makes():
+    """VNNI-marked q8 tiles (a vnni file's Q8_0) load as such with fp16 scales, no mins and whole 256-column
+    blocks; anything else is a damaged file, refused rather than handed to a kernel that takes 256 columns at a
+    time."""
+    def decode(cols: int, scale_dtype=torch.float16, mins: bool = False):
+        groups = torch.zeros(1, cols // 32, 16, dtype=scale_dtype)
+        get = {"c": torch.zeros(1, cols // 64, 1024, dtype=torch.int8), "s": groups, "m": groups, None: None}.get
+        return quillfile._decode_weight({"t": "tiled", "kind": "q8", "codes": "c", "scale": "s",
+                                         "mins": "m" if mins else None, "vnni": True}, get, layout="vnni")
+
+    t = decode(256)
+    assert (t.kind, t.rows, t.cols, t.vnni, t.native_kind) == ("q8", 16, 256, True, 1 | 2 | 64)
+    with pytest.raises(QuillFileError, match="tile scales of shape"):
+        decode(192)  # whole 64-column tiles, but not whole 256-column blocks
+    with pytest.raises(QuillFileError, match="VNNI q8 tiles with mins or without fp16 scales"):
+        decode(256, mins=True)
+    with pytest.raises(QuillFileError, match="VNNI q8 tiles with mins or without fp16 scales"):
+        decode(256, scale_dtype=torch.float32)

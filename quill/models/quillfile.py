@@ -340,7 +340,7 @@ def _decode_weight(spec: dict, get, layout: str = "amx"):
         scale = _checked(get(spec["scale"]), torch.int8 if kscales else (torch.float16, torch.float32), 3, "a tile scale")
         blocks, groups, _ = scale.shape
         cols = groups * GROUP_WEIGHTS[spec["kind"]]
-        if scale.shape[2] != ROWS or cols % (256 if kscales else CHUNK):
+        if scale.shape[2] != ROWS or cols % (256 if kscales or vnni else CHUNK):  # the VNNI tiles take 256 at a time
             raise QuillFileError(f"the file's structure gives tile scales of shape {tuple(scale.shape)}")
         codes = _checked(get(spec["codes"]), code_type, 3, "AMX tiles", (blocks, cols // CHUNK, TILE_BYTES[spec["kind"]]))
         mins = get(spec["mins"])
