@@ -267,7 +267,8 @@ class PackedLinear(nn.Module):
     def _kernel_all(self) -> bool:
         """Whether every row of a prefill goes through the GEMV kernel: with int8 activations where every part
         has an int8 kernel (no fp32 tile then), and where every part is on the VNNI tiles (tiled.tile_for_vnni),
-        whose exact digits reuse each decoded line for 16 rows at a time: a 512-token prefill of the 1B
+        whose exact digits reuse each decoded line for many rows (64 per pass over the weights, DCHUNK in
+        csrc/kquant_i8.c; 16 when measured here): a 512-token prefill of the 1B
         Q4_K_M, Q8_0 and IQ4_XS files on the AMD EPYC Zen 4 ran 1.28x, 1.22x and 1.34x the tokens per second of
         the dequantized tile through BLAS (fp32 FMAs, one weight per item each), in-process A/Bs; and each
         row is then the same bits as the same token decoded alone."""

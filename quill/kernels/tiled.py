@@ -14,6 +14,7 @@ Q8_0 where the VNNI tiles read the same layout (tile_for_vnni, csrc/kquant_i8.c)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -186,10 +187,12 @@ def tile_for_vnni(w) -> TiledWeight | None:
     scales are fp16 (the file's), 256 columns to a block of the tiles' digits."""
     if isinstance(w, BlockWeight):
         return _tile_kscales(w, vnni=True)
-    if (not isinstance(w, PackedWeight) or w.kind != "q8" or w.rows % ROWS or w.cols % 256
-            or (w.mins is not None and bool(w.mins.any())) or not _fp16_exact(w.scale)):
+    if not isinstance(w, PackedWeight) or w.kind != "q8" or w.cols % 256:
         return None
-    return TiledWeight("q8", _tiles(w.codes, "q8"), _blocked(w.scale, w.rows, w.groups, True), None, vnni=True)
+    t = tile_weight(w)  # the AMX q8 tiles' rules: rows in 16s, all-zero mins dropped, fp16 scales where exact
+    if t is None or t.mins is not None or t.scale.dtype != torch.float16:
+        return None
+    return dataclasses.replace(t, vnni=True)
 
 
 def _tile_kscales(w: BlockWeight, vnni: bool = False) -> TiledWeight | None:
