@@ -133,13 +133,26 @@ VNNI static inline __m512i bcast4(const int8_t *p) { /* four activations in ever
     return _mm512_set1_epi32(v);
 }
 
+/* acc + the dot of codes c with the four int8 at p in every lane (bcast4): vpdpbusd with its memory operand
+ * broadcast ({1to16}). GCC 12 does not fold the broadcast into vpdpbusd and issues a vpbroadcastd for each
+ * dot: a chain of them took 1.16 cycles per dot on the AMD EPYC Zen 4 against 1.02 with the operand folded
+ * (and the batch-1 Q4_K tiles 0.92x the time). The emulation builds (SIMDe) keep the intrinsics. */
+VNNI static inline ALWAYS __m512i dot4(__m512i acc, __m512i c, const int8_t *p) {
+#ifdef QUILL_EMULATE_AVX512
+    return _mm512_dpbusd_epi32(acc, c, bcast4(p));
+#else
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(c), "m"(*(const int32_t *)p));
+    return acc;
+#endif
+}
+
 /* Codes c[j] of the tile: kept for the items of a pass, or (f) dotted at once with f's item: vpdpbusd
  * with each of its activation planes. */
 VNNI static inline ALWAYS void emit(Tile *t, Fuse *f, int j, __m512i v) {
     if (!f) {
         t->c[j] = v;
     } else {
-        for (int p = 0; p < f->nd; p++) f->d[p][j / 4] = _mm512_dpbusd_epi32(f->d[p][j / 4], v, bcast4(f->q[p] + 4 * j));
+        for (int p = 0; p < f->nd; p++) f->d[p][j / 4] = dot4(f->d[p][j / 4], v, f->q[p] + 4 * j);
     }
 }
 
@@ -366,21 +379,21 @@ VNNI static inline ALWAYS __m512i digits_from(const uint8_t *blk, int u, int p, 
 
 /* s with unit u's min taken off (minus: Q4_K, Q5_K) or added (the layouts): one FMA of the min times the
  * unit's sum of x. */
-VNNI static inline ALWAYS __m512 with_min(const Tile *t, int u, int minus, float sum, __m512 s) {
+VNNI static inline ALWAYS __m512 with_min(__m512 mn, int minus, float sum, __m512 s) {
     const __m512 x = _mm512_set1_ps(sum);
-    return minus ? _mm512_fnmadd_ps(t->mn[u], x, s) : _mm512_fmadd_ps(t->mn[u], x, s);
+    return minus ? _mm512_fnmadd_ps(mn, x, s) : _mm512_fmadd_ps(mn, x, s);
 }
 
 /* s after unit u (a group; Q6_K: a 16-chunk) of a digit item (blk: its block) whose three planes' dots,
  * offset terms in, are D: (dot * unit) times the scale, which stays in fp32's normal range wherever the
- * product does (scale * unit alone leaves it for |x| below about 2^-100), then, with mins, the min (with_min).
+ * product does (scale * unit alone leaves it for |x| below about 2^-100), then, with mins, the min *mn (with_min).
  * The one definition of the digits' float sequence, for tile_items and fuse_chunk, whose sums agree bit
  * for bit. */
-VNNI static inline ALWAYS __m512 digits_unit(const Tile *t, const uint8_t *blk, int u, int q6, int mins, int minus,
+VNNI static inline ALWAYS __m512 digits_unit(__m512 sc, const __m512 *mn, const uint8_t *blk, int u, int q6, int mins, int minus,
                                              const __m512i D[3], __m512 s) {
     const __m512 unit = _mm512_set1_ps(((const float *)(blk + DIG_UNIT))[q6 ? u / 2 : u]);
-    s = _mm512_fmadd_ps(_mm512_mul_ps(digits_dot(D), unit), t->sc[u], s);
-    return mins ? with_min(t, u, minus, ((const float *)(blk + DIG_XS))[u], s) : s;
+    s = _mm512_fmadd_ps(_mm512_mul_ps(digits_dot(D), unit), sc, s);
+    return mins ? with_min(*mn, minus, ((const float *)(blk + DIG_XS))[u], s) : s;
 }
 
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
@@ -414,11 +427,11 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
                 const __m512i c = t->c[u * per / 4 + j];
                 for (int i = 0; i < nb; i++)
                     for (int p = 0; p < nd; p++)
-                        DD[i][p] = _mm512_dpbusd_epi32(DD[i][p], c, bcast4(qb[i] + DIG_Q + 256 * p + per * u + 4 * j));
+                        DD[i][p] = dot4(DD[i][p], c, qb[i] + DIG_Q + 256 * p + per * u + 4 * j);
             }
         for (int i = 0; i < nb; i++) {
             if (nd == 3) {
-                s[i] = digits_unit(t, (const uint8_t *)qb[i], u, q6, has_mins && !q6, minus, DD[i], s[i]);
+                s[i] = digits_unit(t->sc[u], q6 ? NULL : &t->mn[u], (const uint8_t *)qb[i], u, q6, has_mins && !q6, minus, DD[i], s[i]);
                 continue;
             }
             /* int8: the dot times (scale * dx) */
@@ -426,7 +439,7 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
             __m512 f = _mm512_cvtepi32_ps(DD[i][0]);
             if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a.s16[16 * b + u] : a.s32[8 * b + u]), f);
             s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[u], _mm512_set1_ps(a.dx[8 * b + (q6 ? u / 2 : u)])), s[i]);
-            if (has_mins && !q6) s[i] = with_min(t, u, minus, a.xs[8 * b + u], s[i]);
+            if (has_mins && !q6) s[i] = with_min(t->mn[u], minus, a.xs[8 * b + u], s[i]);
         }
     }
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
@@ -627,11 +640,12 @@ typedef struct {
 } TiledSrc;
 
 /* One chunk's (64 columns') three planes' dots acc[p][k] (over lines 4k .. 4k + 3) -> the item's 16 sums s, unit
- * by unit (Q6_K: its four 16-chunks; the others: their two groups): each unit's dot from its offset term and
+ * by unit (Q6_K: its four 16-chunks; the others: their two groups; sc[j] and mn[j]: unit j's scales and mins,
+ * tiled_unit_scales'): each unit's dot from its offset term and
  * its dots (integers, exact in any order), then digits_unit, as tile_items does over stored dots. So the sums
  * are bit-identical to those, without the 48 stores and loads per super-block that cost a Zen 4 (a 512-bit
  * store there takes 2.4 cycles) more than a quarter of its batch-1 time. */
-VNNI static inline ALWAYS void fuse_chunk(const int kind, const Tile *t, const uint8_t *blk, __m512i acc[3][4], int cc,
+VNNI static inline ALWAYS void fuse_chunk(const int kind, const __m512 *sc, const __m512 *mn, const uint8_t *blk, __m512i acc[3][4], int cc,
                                           const int lpa, __m512 *s) {
     const int q6 = kind == 1, per = q6 ? 4 : 2, offset = q6 ? 32 : kind == 4 || kind == LAYOUT_Q8 ? 128 : 0;
     const int mins = kind == 0 || kind == 5;
@@ -641,7 +655,26 @@ VNNI static inline ALWAYS void fuse_chunk(const int kind, const Tile *t, const u
         for (int p = 0; p < 3; p++)
             D[p] = _mm512_add_epi32(digits_from(blk, u, p, offset),
                                     q6 || lpa == 8 ? acc[p][j] : _mm512_add_epi32(acc[p][2 * j], acc[p][2 * j + 1]));
-        *s = digits_unit(t, blk, u, q6, mins, mins, D, *s);
+        *s = digits_unit(sc[j], &mn[j], blk, u, q6, mins, mins, D, *s);
+    }
+}
+
+/* Unit u's (Q6_K: 16-chunk; the others: group) 16 scales *sc and mins *mn (Q4_K and Q5_K; the others: zero) of
+ * super-block b of row block rb, as decode_blocks makes them. A fused pass takes each chunk's as it ends, in
+ * registers: filling the tile's and reading them back took the batch-1 Q4_K tiles 1.1x the time (Zen 4). */
+VNNI static inline ALWAYS void tiled_unit_scales(const int kind, const TiledSrc *w, long K, long rb, long b, int u,
+                                                 __m512 *sc, __m512 *mn) {
+    *mn = _mm512_setzero_ps();
+    if (kind == 1) {
+        *sc = kscale_group(w->scale, w->scale_d, rb * (K / 16) + 16 * b + u, 4);
+    } else if (kind == LAYOUT_Q8) { /* Q8_0: the file's fp16 scale per 32 weights, as they are */
+        *sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + (rb * (K / 32) + 8 * b + u) * 16)));
+    } else {
+        const long G = K / 32;
+        *sc = kscale_group(w->scale, w->scale_d, rb * G + 8 * b + u, 3);
+        if (kind == 0 && u % 2) *sc = _mm512_mul_ps(*sc, _mm512_set1_ps(0.0625f)); /* codes 16 q: below */
+        if (kind == 0 || kind == 5) /* -(-dmin * m): dmin * m, as decode_blocks */
+            *mn = _mm512_xor_ps(kscale_group(w->mins, w->mins_d, rb * G + 8 * b + u, 3), _mm512_set1_ps(-0.0f));
     }
 }
 
@@ -655,21 +688,10 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
     const long C = K / 64, run = tiled_run_bytes(kind);
     const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
     const __m512i n4 = _mm512_set1_epi8(15);
-    if (kind == 1) {
-        const long G16 = K / 16;
-        for (int c = 0; c < 16; c++) t->sc[c] = kscale_group(w->scale, w->scale_d, rb * G16 + 16 * b + c, 4);
-    } else if (kind == LAYOUT_Q8) { /* Q8_0: the file's fp16 scale per 32 weights, as they are */
-        const long G = K / 32;
-        for (int u = 0; u < 8; u++)
-            t->sc[u] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + (rb * G + 8 * b + u) * 16)));
-    } else {
-        const long G = K / 32;
-        for (int u = 0; u < 8; u++) {
-            t->sc[u] = kscale_group(w->scale, w->scale_d, rb * G + 8 * b + u, 3);
-            if (kind == 0 && u % 2) t->sc[u] = _mm512_mul_ps(t->sc[u], _mm512_set1_ps(0.0625f)); /* codes 16 q: below */
-            if (kind == 0 || kind == 5) /* -(-dmin * m): dmin * m, as decode_blocks */
-                t->mn[u] = _mm512_xor_ps(kscale_group(w->mins, w->mins_d, rb * G + 8 * b + u, 3), _mm512_set1_ps(-0.0f));
-        }
+    for (int u = 0; !ni && u < (kind == 1 ? 16 : 8); u++) { /* the tile's (a fused pass takes them chunk by chunk) */
+        __m512 mn;
+        tiled_unit_scales(kind, w, K, rb, b, u, &t->sc[u], &mn);
+        if (kind == 0 || kind == 5) t->mn[u] = mn;
     }
     const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
     const int lpa = ni > 1 && kind != 1 ? 8 : 4;
@@ -686,8 +708,8 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
         const int l_ = (line); /* (before the loops: a caller's line index may be called i) */              \
         for (int i_ = 0; i_ < ni; i_++)                                                                       \
             for (int p_ = 0; p_ < 3; p_++)                                                                    \
-                acc[i_][p_][l_ / lpa] = _mm512_dpbusd_epi32(acc[i_][p_][l_ / lpa], v_,                        \
-                                                            bcast4((const int8_t *)blks[i_] + DIG_Q + 256 * p_ + 4 * (16 * cc + l_))); \
+                acc[i_][p_][l_ / lpa] = dot4(acc[i_][p_][l_ / lpa], v_,                                       \
+                                                 (const int8_t *)blks[i_] + DIG_Q + 256 * p_ + 4 * (16 * cc + l_)); \
     } while (0)
         if (kind == LAYOUT_Q8) { /* signed codes + 128: unsigned for vpdpbusd (the offset terms take it back) */
             const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -724,7 +746,12 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
             }
         }
 #undef PUT
-        for (int i = 0; i < ni; i++) fuse_chunk(kind, t, blks[i], acc[i], cc, lpa, &s[i]);
+        if (ni) {
+            const int per = kind == 1 ? 4 : 2;
+            __m512 sc[4], mn[4];
+            for (int j = 0; j < per; j++) tiled_unit_scales(kind, w, K, rb, b, per * cc + j, &sc[j], &mn[j]);
+            for (int i = 0; i < ni; i++) fuse_chunk(kind, sc, mn, blks[i], acc[i], cc, lpa, &s[i]);
+        }
     }
 }
 
