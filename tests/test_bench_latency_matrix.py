@@ -18,7 +18,7 @@ def _report(path: str, quill: dict, ref: dict | None = None, file_mib: float = 1
     r = {"path": path, "file_bytes": int(file_mib * MIB), "weight_bytes": int(resident_mib * MIB),
          "step_weight_bytes": int(resident_mib * MIB),
          "kv_bytes_per_token": 1000, "bandwidth_gbs": 10.0, "quill": quill,
-         "bandwidth_probes": {"start": [9.0], "quill": [10.0, 9.5], "llama.cpp": [] if ref is None else [8.0]}}
+         "bandwidth_probes": {"start": [9.0], "decode": [10.0, 9.5]}}
     if ref is not None:
         r["llama.cpp"] = ref
     return r
@@ -180,8 +180,8 @@ def test_models_runs_each_in_turn_and_prints_the_matrix(two_files, tmp_path, cap
         assert row["file_bytes"] == model["file_bytes"] == (a if row["model"] == a.name else b).stat().st_size
         # the bandwidth probed before each decode figure; the roofline is against the run's highest
         probes = model["bandwidth_probes"]
-        assert len(probes["quill"]) == 2 and probes["llama.cpp"] == []  # batches 1 and 2, one context
-        assert model["bandwidth_gbs"] == max(probes["start"] + probes["quill"])
+        assert len(probes["decode"]) == 2  # batches 1 and 2, one context
+        assert model["bandwidth_gbs"] == max(probes["start"] + probes["decode"])
         assert row["resident_bytes"] == model["weight_bytes"] > 0
         assert row["resident_over_file"] == pytest.approx(model["weight_bytes"] / model["file_bytes"])
         assert set(model["quill"]["decode_tps"]) == {"1x16", "2x16"} and row["prefill_len"] == 16
@@ -226,3 +226,50 @@ def test_the_bandwidth_probe_takes_the_fastest_form():
     from quill.bench.latency import measure_bandwidth
 
     assert measure_bandwidth(1, mib=8) > 0
+
+
+# --- quill and llama.cpp alternated -----------------------------------------------------------------
+
+class _FakeRunner:
+    """Records each call; returns its next made-up figure."""
+
+    def __init__(self, name: str, log: list, values: list[float]):
+        self.name, self.log, self.values = name, log, list(values)
+
+    def prefill_tps(self, tokens, repeats, warm=True):
+        self.log.append((self.name, "prefill", len(tokens), repeats, warm))
+        return self.values.pop(0)
+
+    def decode_tps(self, tokens, batch, steps, repeats):
+        self.log.append((self.name, f"decode {batch}x{len(tokens)}", steps, repeats))
+        self.last_breakdown = {"step_ms": float(len(self.log))} if self.name == "quill" else None
+        return self.values.pop(0)
+
+
+def test_each_figure_alternates_the_engines_and_reports_medians(monkeypatch):
+    """Every run of a figure alternates quill and llama.cpp (A B, B A, A B), each run one repeat, and each
+    engine's median is its figure; the warm-up prefill only before a figure's first run; one bandwidth probe
+    before each decode figure, for both."""
+    import argparse
+
+    from quill.bench import latency
+
+    monkeypatch.setattr(latency, "measure_bandwidth", lambda repeats: 7.0)
+    log: list = []
+    quill = _FakeRunner("quill", log, [10, 30, 20, 1, 3, 2])
+    ref = _FakeRunner("llama.cpp", log, [5, 4, 6, 9, 7, 8])
+    args = argparse.Namespace(repeats=3, decode_steps=4)
+    probes: list[float] = []
+    out = latency._measure({"quill": quill, "llama.cpp": ref}, list(range(32)), [16], [2], [8], args, probes)
+    assert [(call[0], call[1]) for call in log] == [("quill", "prefill"), ("llama.cpp", "prefill"),
+                                                   ("llama.cpp", "prefill"), ("quill", "prefill"),
+                                                   ("quill", "prefill"), ("llama.cpp", "prefill"),
+                                                   ("quill", "decode 2x8"), ("llama.cpp", "decode 2x8"),
+                                                   ("llama.cpp", "decode 2x8"), ("quill", "decode 2x8"),
+                                                   ("quill", "decode 2x8"), ("llama.cpp", "decode 2x8")]
+    assert [call[4] for call in log[:6]] == [True, True, False, False, False, False]  # warm-up: first run only
+    assert all(call[3] == 1 for call in log)  # one repeat per call
+    assert out["quill"]["prefill_tps"] == {"16": 20} and out["llama.cpp"]["prefill_tps"] == {"16": 5}
+    assert out["quill"]["decode_tps"] == {"2x8": 2} and out["llama.cpp"]["decode_tps"] == {"2x8": 8}
+    assert out["quill"]["step_breakdown"] == {"2x8": {"step_ms": 11.0}} and out["llama.cpp"]["step_breakdown"] == {}
+    assert probes == [7.0]

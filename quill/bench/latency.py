@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF file or HF folder (default: the embedded model)")
     p.add_argument("--models", action="append", default=None, metavar="A.gguf,B.gguf",
                    help="several model files, comma-separated and/or the option repeated: each is measured in turn "
-                        "with the same options (one engine in memory at a time), then a table compares them: file "
+                        "with the same options (one model in memory at a time), then a table compares them: file "
                         "and resident weight size, prefill at the longest --prefill, decode b=1 and the largest "
                         "--batches at the smallest --contexts, their ratio, b=1 roofline (and quill / llama.cpp "
                         "with --vs); instead of --model")
@@ -140,42 +141,44 @@ def model_list(values: list[str]) -> list[str]:
 
 def measure_model(model: str | None, args: argparse.Namespace, prefill, batches, contexts,
                   bandwidth: float | None = None) -> dict:
-    """One model's figures (quill, then llama.cpp with --vs); its engine is freed before this returns."""
+    """One model's figures: quill's, and with --vs llama.cpp's from the same file, both engines loaded at once
+    and each figure's repeats alternated between them (_measure), so the two run under the same host
+    conditions; both are freed before this returns."""
     from quill.bench.quill_runner import QuillRunner
 
     max_len = max(prefill + [c + args.decode_steps + 8 for c in contexts])
     quill = QuillRunner(model, args.threads, max_len, max(batches), args.kv_cache_dtype, skip_prefill=args.skip_prefill,
                         activations=args.activations)
+    ref = None
     try:
         threads = quill.threads
         print(f"quill bench latency: {quill.model_name}, {threads} threads, {quill.activations} activations, median of "
-              f"{args.repeats}", file=sys.stderr)
-        probes = {"start": [measure_bandwidth(args.repeats) if bandwidth is None else bandwidth], "quill": [],
-                  "llama.cpp": []}
+              f"{args.repeats}" + (", alternating with llama.cpp" if args.vs else ""), file=sys.stderr)
+        probes = {"start": [measure_bandwidth(args.repeats) if bandwidth is None else bandwidth], "decode": []}
         report = {"model": quill.model_name, "path": str(quill.model_path), "threads": threads,
                   "bandwidth_probes": probes, "weight_bytes": quill.weight_bytes, "file_bytes": quill.file_bytes,
                   "step_weight_bytes": quill.step_weight_bytes,
                   "kv_bytes_per_token": quill.kv_bytes_per_token, "kv_cache_dtype": quill.kv_cache_dtype,
-                  "activations": quill.activations, "quill": {}}
+                  "activations": quill.activations}
+        runners = {"quill": quill}
+        if args.vs == "llama.cpp":
+            from quill.bench.llamacpp_ref import LlamaCppRunner
+
+            runners["llama.cpp"] = ref = LlamaCppRunner(report["path"], threads, max(batches), max_len)
         tokens = quill.sample_tokens(max(prefill + contexts))
-        report["quill"] = _measure(quill, tokens, prefill, batches, contexts, args, probes["quill"])
+        report.update(_measure(runners, tokens, prefill, batches, contexts, args, probes["decode"]))
         report["quill"]["gemv_kernel"] = quill.gemv_read_rate(max(args.repeats, 5))
     finally:
-        quill.close()  # before llama.cpp loads the same file
-    if args.vs == "llama.cpp":
-        from quill.bench.llamacpp_ref import LlamaCppRunner
-
-        ref = LlamaCppRunner(report["path"], threads, max(batches), max_len)
-        try:
-            report["llama.cpp"] = _measure(ref, tokens, prefill, batches, contexts, args, probes["llama.cpp"])
-        finally:
+        quill.close()
+        if ref is not None:
             ref.close()
     report["bandwidth_gbs"] = max(v for side in probes.values() for v in side)
     return report
 
 
 def _run_matrix(models: list[str], args: argparse.Namespace, prefill, batches, contexts) -> int:
-    """Each model in turn with the same options (one engine alive at a time), then the table of ratios. Each
+    """Each model in turn with the same options (one model in memory at a time: quill's engine, and llama.cpp's
+    with --vs), then the table of ratios. Each
     model's roofline is against the highest bandwidth probed during its own run (measure_model)."""
     bandwidth = measure_bandwidth(args.repeats)
     reports = []
@@ -264,21 +267,34 @@ def format_matrix(rows: list[dict], has_ref: bool) -> list[str]:
     return lines
 
 
-def _measure(runner, tokens, prefill, batches, contexts, args, probes: list[float]) -> dict:
-    """One engine's figures; the read bandwidth probed before each decode figure is appended to probes. On a
-    shared host it moves from minute to minute (an AMD EPYC Zen 4 VM read 36 GB/s, then 64 a few minutes
-    later), so the roofline is taken against the highest probe of the model's whole run, and the report
-    shows the range each engine ran under."""
-    out = {"prefill_tps": {}, "decode_tps": {}, "step_breakdown": {}}
+def _measure(runners: dict, tokens, prefill, batches, contexts, args, probes: list[float]) -> dict:
+    """Each engine's figures ({name: figures}). Every figure's --repeats runs alternate between the engines
+    (A B, B A, A B, ...: neither always goes first), and each engine's median is reported: on a shared host
+    the read bandwidth moves from minute to minute (an AMD EPYC Zen 4 VM read 36 GB/s, then 64 a few minutes
+    later), and measuring one engine after the other compared them under different conditions (a matrix
+    had quill's 3B run at 36 GB/s and llama.cpp's at up to 60). The bandwidth probed before each decode
+    figure is appended to probes; the roofline is taken against the highest probe of the model's run."""
+    out = {name: {"prefill_tps": {}, "decode_tps": {}, "step_breakdown": {}} for name in runners}
+
+    def alternate(figure) -> dict[str, float]:
+        values = {name: [] for name in runners}
+        for i in range(args.repeats):
+            for name in (list(runners) if i % 2 == 0 else list(reversed(runners))):
+                values[name].append(figure(runners[name], i == 0))
+        return {name: statistics.median(v) for name, v in values.items()}
+
     for n in prefill:
-        out["prefill_tps"][str(n)] = runner.prefill_tps(tokens[:n], args.repeats)
+        for name, tps in alternate(lambda r, first: r.prefill_tps(tokens[:n], 1, warm=first)).items():
+            out[name]["prefill_tps"][str(n)] = tps
     for ctx in contexts:
         for b in batches:
             probes.append(measure_bandwidth(args.repeats))
-            out["decode_tps"][f"{b}x{ctx}"] = runner.decode_tps(tokens[:ctx], b, args.decode_steps, args.repeats)
-            breakdown = getattr(runner, "last_breakdown", None)
-            if breakdown:
-                out["step_breakdown"][f"{b}x{ctx}"] = breakdown
+            key = f"{b}x{ctx}"
+            for name, tps in alternate(lambda r, first: r.decode_tps(tokens[:ctx], b, args.decode_steps, 1)).items():
+                out[name]["decode_tps"][key] = tps
+                breakdown = getattr(runners[name], "last_breakdown", None)
+                if breakdown:
+                    out[name]["step_breakdown"][key] = breakdown
     return out
 
 

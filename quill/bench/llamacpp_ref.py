@@ -61,14 +61,15 @@ class LlamaCppRunner:
             chunk = tokens[start : start + 2048]
             self._decode([(t, start + i, seq, start + i == len(tokens) - 1) for i, t in enumerate(chunk)])
 
-    def prefill_tps(self, tokens: list[int], repeats: int) -> float:
+    def prefill_tps(self, tokens: list[int], repeats: int, warm: bool = True) -> float:
+        """Prompt tok/s, the median of `repeats` prefills (after one untimed, with warm: as QuillRunner's)."""
         times = []
-        for _ in range(repeats):
+        for _ in range(repeats + warm):
             self._clear()
             t0 = time.perf_counter()
             self._prefill(tokens, 0)
             times.append(time.perf_counter() - t0)
-        return len(tokens) / statistics.median(times)
+        return len(tokens) / statistics.median(times[warm:])
 
     def decode_tps(self, tokens: list[int], batch: int, steps: int, repeats: int) -> float:
         """Aggregate tok/s of `batch` sequences decoding together from a `len(tokens)` context."""

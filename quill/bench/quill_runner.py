@@ -111,15 +111,16 @@ class QuillRunner:
             seq.status = SequenceStatus.RUNNING
             scheduler.running.append(seq)
 
-    def prefill_tps(self, tokens: list[int], repeats: int) -> float:
+    def prefill_tps(self, tokens: list[int], repeats: int, warm: bool = True) -> float:
+        """Prompt tok/s, the median of `repeats` prefills (after one untimed that warms buffers, with warm)."""
         times = []
-        for _ in range(repeats + 1):  # the first run warms buffers
+        for _ in range(repeats + warm):
             self._add(tokens, 1)
             t0 = time.perf_counter()
             self.engine.step()
             times.append(time.perf_counter() - t0)
             self._drain()
-        return len(tokens) / statistics.median(times[1:])
+        return len(tokens) / statistics.median(times[warm:])
 
     def decode_tps(self, tokens: list[int], batch: int, steps: int, repeats: int) -> float:
         times = []
