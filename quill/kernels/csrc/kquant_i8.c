@@ -708,8 +708,9 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                                                          * same sums, and 3 fewer additions per unit. Zen 4, one
                                                          * thread, 256 x 2048 in L2, batch 1: Q6_K 0.945x the time,
                                                          * IQ4_XS 0.96x, Q8_0 0.98x (Q4_K and Q5_K have no offset) */
-                    const int first = kind == 1 || lpa == 8 || k % 2 == 0, u = (kind == 1 ? 4 : 2) * cc + (kind == 1 || lpa == 8 ? k : k / 2);
-                    acc[i][p][k] = first ? digits_from(blks[i], u, p, code_offset(kind)) : _mm512_setzero_si512();
+                    const int line = 16 * cc + lpa * k, unit_lines = kind == 1 ? 4 : 8; /* a 16-chunk or a group */
+                    acc[i][p][k] = line % unit_lines ? _mm512_setzero_si512()
+                                                     : digits_from(blks[i], line / unit_lines, p, code_offset(kind));
                 }
 #define PUT(line, v)                                                                                          \
     do {                                                                                                      \
