@@ -811,27 +811,65 @@ VNNI static void fused_tiled(int kind, int ni, const TiledSrc *w, long K, long r
 #undef TWO_TILED
 }
 
-/* Whether a batch-1 pass over the tiled layout asks for its weights ahead (simd.h's prefetch_block): not
- * on AMD CPUs, whose hardware prefetcher streams each thread's one contiguous run better alone. On the AMD
- * EPYC Zen 4, 16384 x 2048 weights x 12 copies from memory, batch 1, the time without the requests
- * against with them: Q4_K 0.72-0.77x, Q6_K 0.72-0.74x, IQ4_XS 0.67-0.82x (one T1 request per line
- * instead of the two steps: 0.80-0.85x), while batch 16 ran 1.04-1.10x slower without; on the Intel Xeon
- * the requests paid at batch 1 too (the scale streams' alone: 0.87-0.99x). A fact about the CPU, probed
- * once; the outputs are the same either way. */
-static int tiled_b1_prefetch(void) {
-    static int cached = -1;
-    if (cached < 0) cached = !__builtin_cpu_is("amd");
-    return cached;
+/* How a pass over the tiled layout asks for its weights ahead (each stream: the codes, and the scale
+ * streams apart from them). A fact about the CPU and the pass, probed once; the outputs are the same
+ * bits whichever form runs.
+ * - AHEAD_BOTH (simd.h's prefetch_block: into L2 far ahead, then into L1 near) on CPUs other than AMD's:
+ *   from memory at batch 1, 16384 x 2048 x 22 copies, AMX off on the Intel Xeon, the scales' requests
+ *   against none for them: Q4_K 0.94-0.96x the time, IQ4_XS 0.95-0.99x, Q6_K 0.87-0.90x.
+ * - AHEAD_L2 (the far step alone, prefetch_block_l2) on AMD CPUs, at every batch, except where the pass is
+ *   bound by the read alone (read_bound): there, none. The near step into L1 is what cost on the AMD EPYC
+ *   Zen 4: with it, from memory at batch 1, the tiles ran 1.03-1.37x the time they take without any
+ *   request, while the far step alone takes less than without. 2026-12-07, 2 threads, batch 1, GB/s of
+ *   the weights' bytes, medians of 7 rounds interleaved in one process (none -> L2 only), 10-12 copies:
+ *   8192 x 2048 Q4_K 26.3 -> 32.0, Q6_K 19.7 -> 26.5; 2048 x 8192 Q4_K 26.8 -> 33.9, Q6_K 21.6 -> 35.1;
+ *   8192 x 2048 IQ4_XS 21.2 -> 26.0, Q5_K 17.4 -> 29.8; 16384 x 2048 Q4_K 23.9 -> 30.4, Q6_K 17.7 ->
+ *   31.6, IQ4_XS 24.0 -> 29.0. At batch 2 Q4_K 1.26x and Q6_K 1.29x the GB/s, at batch 16 (against
+ *   AHEAD_BOTH) 1.03-1.05x. One thread alone read Q6_K at 14 GB/s without requests, 22 with, and a plain
+ *   read at 26-28: without them the core waits for each line it decodes.
+ * - AHEAD_NONE: Q8_0 passes of up to 3 items on AMD (read_bound: a byte per weight, little arithmetic per
+ *   byte). In the engine, 1B Q8_0 at batch 1, the far step took 0.90-0.99x the tokens per second (5
+ *   alternating rounds); earlier, against AHEAD_BOTH from memory (8192 x 2048 x 8 copies), none took
+ *   0.81x the time at batch 2 and 0.85x at 3 (0.97x at 4). */
+enum { AHEAD_NONE, AHEAD_BOTH, AHEAD_L2 };
+
+static inline int read_bound(int kind, int items) { return kind == LAYOUT_Q8 && items <= 3; }
+
+static int tiled_ahead(int kind, int items) {
+    static int amd = -1;
+    if (amd < 0) amd = __builtin_cpu_is("amd");
+    return !amd ? AHEAD_BOTH : read_bound(kind, items) ? AHEAD_NONE : AHEAD_L2;
 }
 
-/* Up to how many items a pass over the tiled layout is bound by the weights' read like batch 1 (see
- * tiled_b1_prefetch): one, and for Q8_0, whose codes are a byte per weight, three. From memory on the AMD
- * EPYC Zen 4 (8192 x 2048 x 8 copies), Q8_0 without the requests took 0.81x the time at batch 2 and 0.85x
- * at 3 (0.97x at 4), while Q4_K took 0.91x at batch 2 but 1.09x at 4, and Q6_K 1.05x at 2 and 1.13x at 4. */
-static inline int read_bound_items(int kind) { return kind == LAYOUT_Q8 ? 3 : 1; }
+/* (Always inlined: GCC takes a function of nothing but prefetches for one without effect and drops its calls; see
+ * simd.h.) Super-block b of row block rb's streams, asked for ahead in `form` (tiled_ahead): the codes 2 *
+ * STREAM_AHEAD bytes ahead, the scales and their factors (AHEAD_L2: 8 super-blocks ahead; AHEAD_BOTH: as
+ * prefetch_block asks for any stream). */
+VNNI static inline ALWAYS void tiled_prefetch(int form, int kind, const TiledSrc *w, long nblk, long C, long run, long rb,
+                                       long b) {
+    const long sb = rb * nblk + b, per = kind == 1 || kind == LAYOUT_Q8 ? 256 : 128; /* int8 scales (Q8_0: fp16) */
+    const uint8_t *codes = w->codes + (rb * C + 4 * b) * run;
+    if (form == AHEAD_BOTH) {
+        prefetch_block(codes, 4 * run);
+        prefetch_block(w->scale + sb * per, per);
+        if (w->scale_d) prefetch_block(w->scale_d + sb * 16, 32);
+        if (w->mins) {
+            prefetch_block(w->mins + sb * per, per);
+            prefetch_block(w->mins_d + sb * 16, 32);
+        }
+    } else if (form == AHEAD_L2) {
+        prefetch_block_l2(codes, 4 * run, STREAM_AHEAD);
+        prefetch_block_l2(w->scale + sb * per, per, 4 * per);
+        if (w->scale_d) prefetch_block_l2(w->scale_d + sb * 16, 32, 4 * 32);
+        if (w->mins) {
+            prefetch_block_l2(w->mins + sb * per, per, 4 * per);
+            prefetch_block_l2(w->mins_d + sb * 16, 32, 4 * 32);
+        }
+    }
+}
 
 /* tile_gemm's loop with digits over the tiled layout (N a multiple of 16): each thread's row blocks are
- * one stream, read STREAM_AHEAD bytes ahead (at batch 1 where tiled_b1_prefetch says so), dealt (deal.h)
+ * one stream, asked for ahead as tiled_ahead says, dealt (deal.h)
  * so that a thread done with its own takes the others' last ones: the whole 1B Q4_K_M model at batch 1
  * on the AMD EPYC Zen 4, in-engine A/B, 1.026x the tokens per second (3B: 1.048x), the closing barrier's
  * wait from 11% of the samples to under 1%. */
@@ -840,7 +878,7 @@ VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, 
     const long nblk = K / 256, run = tiled_run_bytes(kind), C = K / 64;
     const int RB = N / 16, has_mins = kind == 0 || kind == 5;
     for (int c0 = 0; c0 < B; c0 += DCHUNK) {
-        const int nc = B - c0 < DCHUNK ? B - c0 : DCHUNK, ahead = nc > read_bound_items(kind) || tiled_b1_prefetch();
+        const int nc = B - c0 < DCHUNK ? B - c0 : DCHUNK, ahead = tiled_ahead(kind, nc);
         const int nt = threads > 0 ? threads : 1;
         Deal deals[nt];
         deal_init(deals, nt, RB);
@@ -850,20 +888,7 @@ VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, 
             float acc[DCHUNK * 16] __attribute__((aligned(64)));
             memset(acc, 0, sizeof(float) * 16 * nc);
             for (long b = 0; b < nblk; b++) {
-                if (ahead) { /* the codes, and the scale streams apart from them (from memory at batch 1,
-                   * 16384 x 2048 x 22 copies, AMX off on the Intel Xeon, the time with the scales' requests
-                   * against without: Q4_K 0.94-0.96x, IQ4_XS 0.95-0.99x, Q6_K 0.87-0.90x; the AMX kernel
-                   * asks for its own) */
-                    prefetch_block(w->codes + ((long)rb * C + 4 * b) * run, 4 * run);
-                    /* 16 rows' int8 scales (Q8_0: fp16) */
-                    const long sb = (long)rb * nblk + b, per = kind == 1 || kind == LAYOUT_Q8 ? 256 : 128;
-                    prefetch_block(w->scale + sb * per, per);
-                    if (w->scale_d) prefetch_block(w->scale_d + sb * 16, 32);
-                    if (w->mins) {
-                        prefetch_block(w->mins + sb * per, per);
-                        prefetch_block(w->mins_d + sb * 16, 32);
-                    }
-                }
+                tiled_prefetch(ahead, kind, w, nblk, C, run, rb, b);
                 if (nc <= FUSE_BATCH) { /* the items in pairs (an odd one alone), each straight from the codes */
                     for (int i = 0; i < nc; i += FUSE_ITEMS)
                         fused_tiled(kind, nc - i < FUSE_ITEMS ? nc - i : FUSE_ITEMS, w, K, rb, b, digits, acc + 16 * i, c0 + i);

@@ -45,6 +45,13 @@ static inline float sum32(const float *p) {
         for (long o_ = 0; o_ < (long)(n); o_ += 64) prefetch_ahead((const char *)(p) + o_, STREAM_AHEAD); \
     } while (0)
 
+/* The n bytes at p asked for into L2 only, 2 * ahead bytes ahead: the far step of prefetch_ahead without the
+ * near one into L1 (kquant_i8.c's tiled_ahead says where this is the better form). */
+#define prefetch_block_l2(p, n, ahead)                                                              \
+    do {                                                                                            \
+        for (long o_ = 0; o_ < (long)(n); o_ += 64) _mm_prefetch((const char *)(p) + o_ + 2 * (ahead), _MM_HINT_T1); \
+    } while (0)
+
 /* The start of a stream (a thread's first rows in a call), asked for at once: what prefetch_ahead would
  * have asked for by then, so the first lines do not wait a memory latency each (a 1B Q4_K_M model's AMX
  * GEMVs at batch 1: 0.98-0.99x the time in five runs; the VNNI tiles' within noise, so they go without). */
