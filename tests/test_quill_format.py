@@ -411,6 +411,18 @@ def test_k_quant_tiles_need_their_scale_factors_and_q8_tiles_have_none():
     assert (t.kind, t.rows, t.cols, t.native_kind) == ("iq4", 16, 256, 8 | 4)
 
 
+def test_q3_tiles_load_only_as_vnni_tiles():
+    """Q3_K's q3 tiles (tiled.VNNI_ONLY) are refused in an AMX file's structure, where the AMX kernels would get
+    codes they have no path for, and load as VNNI tiles with their per-16 scales."""
+    get = {"c": torch.zeros(1, 4, 384, dtype=torch.uint8), "s": torch.zeros(1, 16, 16, dtype=torch.int8),
+           "d": torch.zeros(1, 1, 16, dtype=torch.float16), None: None}.get
+    spec = {"t": "tiled", "kind": "q3", "codes": "c", "scale": "s", "mins": None, "scale_d": "d"}
+    with pytest.raises(QuillFileError, match="AMX q3 tiles"):
+        quillfile._decode_weight(spec, get)
+    t = quillfile._decode_weight({**spec, "vnni": True}, get, layout="vnni")
+    assert (t.kind, t.rows, t.cols, t.vnni, t.native_kind) == ("q3", 16, 256, True, 128 | 64 | 4)
+
+
 def test_vnni_q8_tiles_must_be_what_tile_for_vnni_makes():
     """VNNI-marked q8 tiles (a vnni file's Q8_0) load as such with fp16 scales, no mins and whole 256-column
     blocks; anything else is a damaged file, refused rather than handed to a kernel that takes 256 columns at a

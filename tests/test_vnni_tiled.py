@@ -124,6 +124,40 @@ def test_q8_0_on_the_vnni_tiles_is_exact_and_batch_invariant(avx512_kernels):
 
 
 @needs_kernels
+def test_q3_k_on_the_vnni_tiles_is_exact_and_batch_invariant(avx512_kernels):
+    """Q3_K takes the VNNI tiles (tiled.py's q3: codes q + 4 as a 2-bit plane and a top-bit plane, scales - 32
+    per 16 weights), the AMX layout never (tile_weight refuses it). Its block rows run another float order, so
+    the check is against the float64 product (1e-5 of the largest output), NaN rows kept apart, each row the
+    same bits alone and in a batch (the fused single item and pairs, the stored tile, a second chunk), a
+    prefill's rows the GEMV's, and the tiles dequantizing and looking up rows exactly as the blocks do."""
+    blocks = _weight(Q.Q3_K)
+    assert tiled.tile_weight(blocks) is None
+    with use(OPTIONS):
+        w = tiled.for_cpu(blocks)
+        assert isinstance(w, tiled.TiledWeight) and w.vnni and w.kind == "q3" and w.native_kind == 128 | 64 | 4
+        assert w.nbytes <= 1.1 * blocks.nbytes
+        lin, rows_lin = PackedLinear(w, None, Workspace()), PackedLinear(blocks, None, Workspace())
+        x = _inputs(blocks.cols, 4)
+        exact = x.double() @ blocks.dequantize().double().T
+        for batch in (1, 2, 3, 5, 16, 17, 40, 70):
+            got, rows_out = _gemvs(batch, x, lin, rows_lin)
+            assert torch.equal(got.isnan(), rows_out.isnan()), batch
+            assert _error(got, exact[:batch]) < 1e-5, batch
+        alone = torch.empty(1, w.rows)
+        for batch, row in ((16, 9), (3, 2), (4, 1), (70, 66)):
+            batched = torch.empty(batch, w.rows)
+            lin.gemv(x[row:row + 1].clone(), alone)
+            lin.gemv(x[:batch].contiguous(), batched)
+            assert torch.equal(alone[0], batched[row]), batch
+        assert torch.equal(w.dequantize(), blocks.dequantize())
+        prefill, want = lin(x[:24].nan_to_num()), torch.empty(24, w.rows)
+        lin.gemv(x[:24].nan_to_num(), want)
+        assert torch.equal(prefill, want)
+        ids = torch.tensor([0, 17, 47, 5])
+        assert torch.equal(w.dequantize_rows(ids), blocks.dequantize_rows(ids))
+
+
+@needs_kernels
 def test_for_cpu_tiles_only_k_quants_and_q8_0_and_only_without_amx_or_int8(avx512_kernels):
     q4k, q5_0 = _weight(Q.Q4_K), _weight(Q.Q5_0, cols=64)
     with use(OPTIONS):

@@ -140,12 +140,16 @@ def _unpack_q3_k(blocks: np.ndarray):
     # crumb k of byte 8 + i for scale 4k + i), d. Weight d * (scale - 32) * (low - (high bit ? 0 : 4)).
     high = (blocks[:, None, 0:32] >> _BIT_SHIFTS[None, :, None]) & np.uint8(1)  # (B, 8, 32)
     codes = _two_bit_codes(blocks[:, 32:96]).astype(np.int8) - (np.int8(4) * (np.int8(1) - high.astype(np.int8)))
+    scale = _f16(blocks[:, 108:110]) * _q3_k_scales(blocks).astype(np.float32)  # (B, 16), one per 16 elements
+    return codes.reshape(-1, 256), scale, np.zeros_like(scale)
+
+
+def _q3_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """Q3_K blocks -> (B, 16) int8: each 16 elements' scale - 32."""
     packed = blocks[:, 96:104]
     low4 = np.concatenate([packed & np.uint8(0x0F), packed >> np.uint8(4)], axis=1)  # (B, 16)
     high2 = ((blocks[:, None, 104:108] >> _CRUMB_SHIFTS[None, :, None]) & np.uint8(3)).reshape(-1, 16)  # (B, 4k + i)
-    sc = (low4 | (high2 << np.uint8(4))).astype(np.int8) - np.int8(32)
-    scale = _f16(blocks[:, 108:110]) * sc.astype(np.float32)  # (B, 16), one per 16 elements
-    return codes.reshape(-1, 256), scale, np.zeros_like(scale)
+    return (low4 | (high2 << np.uint8(4))).astype(np.int8) - np.int8(32)
 
 
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
@@ -193,22 +197,24 @@ def _unpack_iq4_xs(blocks: np.ndarray):
 
 @dataclass(frozen=True)
 class KScaleBlocks:
-    """Q4_K / Q5_K / IQ4_XS / Q6_K blocks split with their scales kept as the format stores them: an integer per
-    group (32 weights; Q6_K 16) times an fp16 factor per 256. value = factor * scale * table(code) +
-    min_factor * min, where table is IQ4_VALUES for IQ4_XS, code - 32 for Q6_K and the code for Q4_K, Q5_K."""
+    """Q4_K / Q5_K / IQ4_XS / Q6_K / Q3_K blocks split with their scales kept as the format stores them: an integer
+    per group (32 weights; Q6_K and Q3_K 16) times an fp16 factor per 256. value = factor * scale * table(code) +
+    min_factor * min, where table is IQ4_VALUES for IQ4_XS, code - 32 for Q6_K, code - 4 for Q3_K and the code for
+    Q4_K, Q5_K."""
 
-    codes: np.ndarray  # (rows, cols) uint8: nibbles 0..15 (IQ4_XS: indices into IQ4_VALUES), Q5_K 0..31, Q6_K 0..63
-    scales: np.ndarray  # (rows, groups) int8: Q4_K's / Q5_K's sc, IQ4_XS's ls - 32, Q6_K's per-16 scale
+    codes: np.ndarray  # (rows, cols) uint8: nibbles 0..15 (IQ4_XS: indices into IQ4_VALUES), Q5_K 0..31, Q6_K 0..63,
+    #                    Q3_K 0..7
+    scales: np.ndarray  # (rows, groups) int8: Q4_K's / Q5_K's sc, IQ4_XS's ls - 32, Q6_K's per-16 scale, Q3_K's sc - 32
     scale_factor: np.ndarray  # (rows, cols / 256) float16: d
-    mins: np.ndarray | None  # (rows, cols / 32) int8: Q4_K's / Q5_K's m; None for IQ4_XS and Q6_K
+    mins: np.ndarray | None  # (rows, cols / 32) int8: Q4_K's / Q5_K's m; None for IQ4_XS, Q6_K and Q3_K
     min_factor: np.ndarray | None  # (rows, cols / 256) float16: -dmin
 
 
 def unpack_kscales(raw: np.ndarray, qtype, shape: tuple[int, int]) -> KScaleBlocks:
-    """Q4_K, Q5_K, IQ4_XS or Q6_K blocks -> KScaleBlocks (the AMX tiled layout keeps the file's compact scales)."""
+    """Q4_K, Q5_K, IQ4_XS, Q6_K or Q3_K blocks -> KScaleBlocks (the tiled layout keeps the file's compact scales)."""
     qtype = _check_type(qtype)
-    if qtype not in (Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q6_K):
-        raise ValueError(f"{qtype.name} has no integer-times-factor scales here (Q4_K, Q5_K, IQ4_XS and Q6_K do)")
+    if qtype not in (Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q6_K, Q.Q3_K):
+        raise ValueError(f"{qtype.name} has no integer-times-factor scales here (Q4_K, Q5_K, IQ4_XS, Q6_K and Q3_K do)")
     rows, cols = (int(n) for n in shape)
     blocks = _as_bytes(raw, qtype, (rows, cols)).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     nb = cols // 256
@@ -217,6 +223,10 @@ def unpack_kscales(raw: np.ndarray, qtype, shape: tuple[int, int]) -> KScaleBloc
         d = blocks[:, 208:210].copy().view(np.float16).reshape(rows, nb)
         return KScaleBlocks(codes.reshape(rows, cols), blocks[:, 192:208].view(np.int8).reshape(rows, nb * 16), d,
                             None, None)
+    if qtype == Q.Q3_K:  # codes q + 4 (0..7) for d * (sc - 32) * q, q in -4..3
+        codes = (_unpack_q3_k(blocks)[0] + np.int8(4)).view(np.uint8)
+        d = blocks[:, 108:110].copy().view(np.float16).reshape(rows, nb)
+        return KScaleBlocks(codes.reshape(rows, cols), _q3_k_scales(blocks).reshape(rows, nb * 16), d, None, None)
     d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, nb)
     if qtype in (Q.Q4_K, Q.Q5_K):  # the same 16-byte header: d, dmin, 6-bit scales and mins
         sc, m = _k4_scales_mins(blocks[:, 4:16])

@@ -6,8 +6,10 @@ lost. Scales and mins stay fp16 where the file had them so (Q4_0, Q4_1, Q8_0) an
 layout. Q4_K, Q5_K, IQ4_XS and Q6_K blocks tile too, their codes as nibbles (IQ4_XS's indices into its
 table; Q5_K's top bit and Q6_K's top 2 bits in planes of their own) and their scales as the file
 stores them: an int8 per 32 weights (Q6_K: 16) times an fp16 factor per 256, so the tiles take 1.03x
-(Q4_K), 1.023x (Q5_K), 1.015x (IQ4_XS) and 1.0x (Q6_K) the file's bytes. The kernel and the byte order are
-described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64) and the other
+(Q4_K), 1.023x (Q5_K), 1.015x (IQ4_XS) and 1.0x (Q6_K) the file's bytes. Q3_K tiles for the VNNI tiles only
+(the AMX kernels have no such codes): its codes q + 4 (0..7) as a plane of their low 2 bits and one of their
+top bit, its scales - 32 as an int8 per 16 weights times the fp16 d per 256, 1.036x the file's bytes. The
+kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64) and the other
 GGUF block types keep their layout; so does every weight on a CPU without AMX, except the K-quants and
 Q8_0 where the VNNI tiles read the same layout (tile_for_vnni, csrc/kquant_i8.c).
 """
@@ -27,15 +29,16 @@ from quill.kernels.kquant import BlockWeight
 from quill.kernels.packed import GROUP, GroupWeight, PackedWeight, SplitWeight
 
 ROWS, CHUNK = 16, 64
-KSCALE_TYPES = {Q.Q4_K: "q4", Q.Q5_K: "q5", Q.IQ4_XS: "iq4", Q.Q6_K: "q6"}  # GGUF block types that tile: code kind
-_NATIVE = {"q4": 0, "q8": 1, "iq4": 8, "q6": 16, "q5": 32}  # amx_gemv.c's kind bits for the codes (2: fp16, 4: K)
-TILE_BYTES = {"q4": 512, "iq4": 512, "q5": 640, "q6": 768, "q8": 1024}
-GROUP_WEIGHTS = {"q4": 32, "iq4": 32, "q5": 32, "q6": 16, "q8": 32}  # weights per scale
+KSCALE_TYPES = {Q.Q4_K: "q4", Q.Q5_K: "q5", Q.IQ4_XS: "iq4", Q.Q6_K: "q6", Q.Q3_K: "q3"}  # GGUF block types that tile
+VNNI_ONLY = {"q3"}  # code kinds only the VNNI tiles read (the AMX kernels have no q3 path)
+_NATIVE = {"q4": 0, "q8": 1, "iq4": 8, "q6": 16, "q5": 32, "q3": 128}  # amx_gemv.c's kind bits for the codes (2: fp16, 4: K)
+TILE_BYTES = {"q4": 512, "iq4": 512, "q5": 640, "q6": 768, "q8": 1024, "q3": 384}
+GROUP_WEIGHTS = {"q4": 32, "iq4": 32, "q5": 32, "q6": 16, "q8": 32, "q3": 16}  # weights per scale
 
 
 @dataclass
 class TiledWeight(GroupWeight):
-    kind: str  # "q4" | "q8" | "iq4" | "q5" | "q6"
+    kind: str  # "q4" | "q8" | "iq4" | "q5" | "q6" | "q3"
     codes: torch.Tensor  # (rows/16, cols/64, TILE_BYTES[kind]): uint8, q8 int8
     scale: torch.Tensor  # (rows/16, groups, 16) float16 where that is exact (Q4_0, Q4_1, Q8_0), else float32,
     #                      or int8 times scale_d (K-quant scales)
@@ -62,7 +65,7 @@ class TiledWeight(GroupWeight):
     @property
     def native_kind(self) -> int:
         """The C kernel's kind: bit 0 = q8, bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bits 3-5 =
-        iq4, q6, q5 codes, bit 6 = the VNNI tiles' weight."""
+        iq4, q6, q5 codes, bit 6 = the VNNI tiles' weight, bit 7 = q3 codes."""
         return (_NATIVE[self.kind] | (2 if self.scale.dtype == torch.float16 else 0)
                 | (4 if self.scale_d is not None else 0) | (64 if self.vnni else 0))
 
@@ -91,7 +94,11 @@ class TiledWeight(GroupWeight):
         """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
         block, j = ids // ROWS, ids % ROWS
         tiles = self.codes[block]  # (T, C, TILE_BYTES)
-        if self.kind in ("q5", "q6"):  # the nibbles, then the top bits' plane: 1 bit (q5) or 2 (q6) per code
+        if self.kind == "q3":  # the low 2 bits' plane (4 codes a byte), then the top bit's (8 a byte); codes - 4
+            low = torch.cat([(tiles[..., :256] >> (2 * k)) & 3 for k in range(4)], dim=-1)
+            top = torch.cat([(tiles[..., 256:] >> k) & 1 for k in range(8)], dim=-1)
+            tiles = (low | (top << 2)).to(torch.int16) - 4
+        elif self.kind in ("q5", "q6"):  # the nibbles, then the top bits' plane: 1 bit (q5) or 2 (q6) per code
             low, high, width = tiles[..., :512], tiles[..., 512:], 1 if self.kind == "q5" else 2
             top = torch.cat([(high >> (width * k)) & (2**width - 1) for k in range(8 // width)], dim=-1)
             tiles = (torch.cat((low & 15, low >> 4), dim=-1) | (top << 4)).to(torch.int16) - (32 if width == 2 else 0)
@@ -145,11 +152,21 @@ def _fp16_exact(*ts: torch.Tensor) -> bool:
 def _tiles(codes: torch.Tensor, kind: str) -> torch.Tensor:
     """(n, k) codes -> (n/16, k/64, TILE_BYTES[kind]) tiles in the kernel's byte order: q8 1024 bytes,
     q4 / iq4 512 bytes of nibble pairs, q5 (codes 0..31) and q6 (0..63) those for the low 4 bits, then
-    the top bits: byte b holds those of tile bytes b + (1024 / planes) k, 1 bit (q5) or 2 (q6) each."""
+    the top bits: byte b holds those of tile bytes b + (1024 / planes) k, 1 bit (q5) or 2 (q6) each; q3
+    (codes 0..7) 256 bytes of their low 2 bits (byte b: those of tile bytes b + 256 k at bits 2k, 2k + 1),
+    then 128 of their top bit (byte b: tile bytes b + 128 k at bit k)."""
     n, k = codes.shape
     tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
     if kind == "q8":
         return tiles.contiguous()
+    if kind == "q3":
+        low, top = (tiles & 3).split(256, dim=-1), ((tiles >> 2) & 1).split(128, dim=-1)
+        lowp, topp = low[0].clone(), top[0].clone()
+        for j in range(1, 4):
+            lowp |= low[j] << (2 * j)
+        for j in range(1, 8):
+            topp |= top[j] << j
+        return torch.cat((lowp, topp), dim=-1).contiguous()
     low = tiles & 15
     packed = low[..., :512] | (low[..., 512:] << 4)
     if kind in ("q5", "q6"):
@@ -183,7 +200,7 @@ def tile_weight(w) -> TiledWeight | None:
 
 def tile_for_vnni(w) -> TiledWeight | None:
     """A weight's tiled form for the VNNI tiles (None for other types or shapes): for_cpu's rule where AMX does
-    not tile. They take the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K) and Q8_0: a q8 PackedWeight without mins whose
+    not tile. They take the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K) and Q8_0: a q8 PackedWeight without mins whose
     scales are fp16 (the file's), 256 columns to a block of the tiles' digits."""
     if isinstance(w, BlockWeight):
         return _tile_kscales(w, vnni=True)
@@ -196,7 +213,7 @@ def tile_for_vnni(w) -> TiledWeight | None:
 
 
 def _tile_kscales(w: BlockWeight, vnni: bool = False) -> TiledWeight | None:
-    if w.qtype not in KSCALE_TYPES or w.rows % ROWS:
+    if w.qtype not in KSCALE_TYPES or w.rows % ROWS or (KSCALE_TYPES[w.qtype] in VNNI_ONLY and not vnni):
         return None
     n, k, kind = w.rows, w.cols, KSCALE_TYPES[w.qtype]
     g, f = k // GROUP_WEIGHTS[kind], k // 256

@@ -312,7 +312,7 @@ def _decode_weight(spec: dict, get, layout: str = "amx"):
 
     from quill.kernels.kquant import BLOCK_BYTES, KINDS, BlockWeight
     from quill.kernels.packed import GROUP, PackedWeight, SplitWeight
-    from quill.kernels.tiled import CHUNK, GROUP_WEIGHTS, ROWS, TILE_BYTES, TiledWeight
+    from quill.kernels.tiled import CHUNK, GROUP_WEIGHTS, ROWS, TILE_BYTES, VNNI_ONLY, TiledWeight
 
     kind = spec.get("t")
     if kind in ("packed", "tiled"):
@@ -331,6 +331,8 @@ def _decode_weight(spec: dict, get, layout: str = "amx"):
         if layout != ("vnni" if vnni else "amx"):
             raise QuillFileError(f"the file's structure holds {'VNNI' if vnni else 'AMX'} tiles but its layout is "
                                  f"{layout!r}")
+        if not vnni and spec["kind"] in VNNI_ONLY:
+            raise QuillFileError(f"AMX {spec['kind']} tiles in the file's structure (only the VNNI tiles read them)")
         if vnni and spec.get("scale_d") is None and spec["kind"] != "q8":
             raise QuillFileError(f"VNNI {spec['kind']} tiles without K-quant scales in the file's structure")
         kscales = spec.get("scale_d") is not None

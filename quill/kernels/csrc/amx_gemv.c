@@ -60,7 +60,7 @@ long quill_amx_scratch_bytes(int B, int K);
 
 /* The VNNI tiles' kind (kquant.c's block kind; LAYOUT_Q8 for Q8_0) of a tiled kind. */
 static inline int block_kind(int kind) {
-    return kind & KIND_Q8 ? LAYOUT_Q8 : kind & KIND_Q6 ? 1 : kind & KIND_IQ4 ? 4 : kind & KIND_Q5 ? 5 : 0;
+    return kind & KIND_Q8 ? LAYOUT_Q8 : kind & KIND_Q6 ? 1 : kind & KIND_IQ4 ? 4 : kind & KIND_Q5 ? 5 : kind & KIND_Q3 ? 9 : 0;
 }
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for a tiled weight: on the AMX tiles (quill_amx_gemv), or, with
@@ -86,11 +86,14 @@ long quill_tiled_scratch_bytes(int kind, int B, int K) {
  * layout's AVX-512 parts (the q4 unpack, the dequantization, the scratch size), and the tile GEMV only
  * where isa.h emulates the tile unit too (QUILL_EMULATE_AMX). */
 #define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
-#define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6)) /* signed bytes */
+#define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6 | KIND_Q3)) /* signed bytes */
+#define PER16(kind) ((kind) & (KIND_Q6 | KIND_Q3)) /* a scale per 16 weights */
 #define WIDE_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q5)) /* the top digit joins in fp32 (q6: its own GEMV) */
-static inline int scale_groups(int kind, int K) { return kind & KIND_Q6 ? K / 16 : K / 32; } /* per row */
+static inline int scale_groups(int kind, int K) { return PER16(kind) ? K / 16 : K / 32; } /* per row */
 /* Bytes of one stored tile: q4 and iq4 pack a 1024-byte tile into 512, q5 into 640, q6 into 768. */
-static inline long tile_bytes(int kind) { return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : 512; }
+static inline long tile_bytes(int kind) {
+    return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : kind & KIND_Q3 ? 384 : 512;
+}
 
 /* One weight's scales or mins: where they are and how they are stored (kind's bits 1 and 2). */
 typedef struct {
@@ -101,7 +104,7 @@ typedef struct {
 } Scales;
 
 static inline Scales scales_of(int kind, const void *v, const void *d) {
-    Scales s = {v, (const uint16_t *)d, kind & KIND_KSCALES ? 2 : kind & KIND_F16 ? 1 : 0, kind & KIND_Q6 ? 4 : 3};
+    Scales s = {v, (const uint16_t *)d, kind & KIND_KSCALES ? 2 : kind & KIND_F16 ? 1 : 0, PER16(kind) ? 4 : 3};
     return s;
 }
 
@@ -160,6 +163,20 @@ AVX512 static inline void unpack_tile_q6(const uint8_t *src, uint8_t *dst) {
     }
 }
 
+/* The q3 tile of (rb, c) unpacked to 1024 signed bytes, code - 4: tile byte 256 k + i's low 2 bits are bits 2k, 2k + 1
+ * of byte i, its top bit bit (256 k + i) / 128 of byte 256 + (256 k + i) % 128. */
+AVX512 static inline void unpack_tile_q3(const uint8_t *src, uint8_t *dst) {
+    const __m512i three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1), off = _mm512_set1_epi8(4);
+    for (int i = 0; i < 256; i += 64) {
+        const __m512i v = _mm512_loadu_si512(src + i), h = _mm512_loadu_si512(src + 256 + i % 128);
+        for (int k = 0; k < 4; k++) {
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(v, 2 * k), three);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, (256 * k + i) / 128), one);
+            _mm512_store_si512(dst + 256 * k + i, _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 2)), off));
+        }
+    }
+}
+
 /* The q5 tile of (rb, c) unpacked to 1024 bytes, codes 0..31. */
 AVX512 static inline void unpack_tile_q5(const uint8_t *src, uint8_t *dst) {
     const __m512i m = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
@@ -180,6 +197,7 @@ AVX512 static inline const uint8_t *tile_codes(int kind, const void *codes, long
     const uint8_t *src = (const uint8_t *)codes + tile * tile_bytes(kind);
     if (kind & KIND_Q8) return src;
     if (kind & KIND_Q6) unpack_tile_q6(src, staged);
+    else if (kind & KIND_Q3) unpack_tile_q3(src, staged);
     else if (kind & KIND_Q5) unpack_tile_q5(src, staged);
     else if (kind & KIND_IQ4) unpack_tile_iq4(src, staged);
     else unpack_tile_q4(src, staged);

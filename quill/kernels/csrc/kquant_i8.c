@@ -40,6 +40,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#define KQ_Q3K 9 /* kquant.c's block kind of Q3_K: on the VNNI tiles only in the tiled layout (tiled.py's q3) */
+/* Whether a kind's scales (and digit units) are per 16 weights: Q6_K's and Q3_K's. */
+static inline int per16(int kind) { return kind == 1 || kind == KQ_Q3K; }
+
 #define ALWAYS __attribute__((always_inline))
 
 long quill_act8_bytes(int B, int K) { return (long)B * act_bytes(K); }
@@ -337,7 +341,9 @@ static inline long dig_bytes(long K) { return K / 256 * DIG_BLOCK; }
 
 /* The offset a kind's unsigned codes carry, which the offset terms take back: Q6_K's codes are q (0..63) for
  * q - 32, IQ4_XS's table values and Q8_0's signed codes are + 128; Q4_K and Q5_K have none. */
-static inline int code_offset(int kind) { return kind == 1 ? 32 : kind == 4 || kind == LAYOUT_Q8 ? 128 : 0; }
+static inline int code_offset(int kind) {
+    return kind == 1 ? 32 : kind == KQ_Q3K ? 4 : kind == 4 || kind == LAYOUT_Q8 ? 128 : 0;
+}
 
 /* Item b's block `blk` of the digit buffers at buf. */
 static inline const uint8_t *dig_block(const uint8_t *buf, long K, int b, long blk) {
@@ -347,7 +353,7 @@ static inline const uint8_t *dig_block(const uint8_t *buf, long K, int b, long b
 /* x (B, K) fp32 with its sums xs (B, K / 32; read where the kind has mins) -> B digit buffers (layout
  * above) for a block kind's weights. */
 VNNI static void split_digits(int kind, const float *x, const float *xs, uint8_t *buf, int B, long K, int threads) {
-    const int off = code_offset(kind), q6 = kind == 1, mins = kind == 0 || kind == 5;
+    const int off = code_offset(kind), q6 = per16(kind), mins = kind == 0 || kind == 5;
 #pragma omp parallel for schedule(static) if (B >= 4) num_threads(threads > 0 ? threads : 1)
     for (int b = 0; b < B; b++) {
         for (long g = 0; g < K / 32; g++) {
@@ -407,7 +413,7 @@ VNNI static inline ALWAYS __m512 digits_unit(__m512 sc, const __m512 *mn, const 
  * min. With fz (nb = 1) the integer dots are already in fz: the same integers, so the same floats. */
 VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Tile *t, const Fuse *fz, int has_mins,
                                           const uint8_t *act, long K, long b, int ng, float *acc, int i0, const int nb) {
-    const int q6 = kind == 1, per = q6 ? 16 : 32, units = q6 ? 16 : ng < 8 ? ng : 8; /* Q6_K: per 16-chunk scales, offset 32 */
+    const int q6 = per16(kind), per = q6 ? 16 : 32, units = q6 ? 16 : ng < 8 ? ng : 8; /* Q6_K, Q3_K: per 16-chunk scales */
     const int offset = code_offset(kind);
     const int minus = kind == 0 || kind == 5; /* Q4_K / Q5_K subtract their mins; the layouts add them */
     __m512 s[IT];
@@ -460,10 +466,12 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
         else { F(LAYOUT_Q8, __VA_ARGS__); }                                                          \
     } while (0)
 
-/* F(k, ...) for a kind the digits' tiles take (the block kinds, and LAYOUT_Q8: Q8_0 in the tiled layout). */
+/* F(k, ...) for a kind the digits' tiles take (the block kinds, LAYOUT_Q8: Q8_0 in the tiled layout, and
+ * KQ_Q3K: Q3_K, which only the tiled layout holds). */
 #define TILED_CONST(F, kind, ...)                                                                    \
     do {                                                                                             \
         if ((kind) == LAYOUT_Q8) { F(LAYOUT_Q8, __VA_ARGS__); }                                      \
+        else if ((kind) == KQ_Q3K) { F(KQ_Q3K, __VA_ARGS__); }                                       \
         else { BLOCK_CONST(F, kind, __VA_ARGS__); }                                                  \
     } while (0)
 
@@ -635,7 +643,9 @@ int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, cons
 #define FUSE_BATCH 4 /* batches up to this many go FUSE_ITEMS at a time without the stored tile */
 
 /* Bytes of one 64-column run of 16 rows' codes in the tiled layout, per block kind. */
-static inline long tiled_run_bytes(int kind) { return kind == LAYOUT_Q8 ? 1024 : kind == 1 ? 768 : kind == 5 ? 640 : 512; }
+static inline long tiled_run_bytes(int kind) {
+    return kind == LAYOUT_Q8 ? 1024 : kind == 1 ? 768 : kind == 5 ? 640 : kind == KQ_Q3K ? 384 : 512;
+}
 
 typedef struct {
     const uint8_t *codes;
@@ -651,7 +661,7 @@ typedef struct {
  * store there takes 2.4 cycles) more than a quarter of its batch-1 time. */
 VNNI static inline ALWAYS void fuse_chunk(const int kind, const __m512 *sc, const __m512 *mn, const uint8_t *blk, __m512i acc[3][4], int cc,
                                           const int lpa, __m512 *s) {
-    const int q6 = kind == 1, per = q6 ? 4 : 2;
+    const int q6 = per16(kind), per = q6 ? 4 : 2;
     const int mins = kind == 0 || kind == 5;
     for (int j = 0; j < per; j++) {
         const int u = per * cc + j;
@@ -668,7 +678,7 @@ VNNI static inline ALWAYS void fuse_chunk(const int kind, const __m512 *sc, cons
 VNNI static inline ALWAYS void tiled_unit_scales(const int kind, const TiledSrc *w, long K, long rb, long b, int u,
                                                  __m512 *sc, __m512 *mn) {
     *mn = _mm512_setzero_ps();
-    if (kind == 1) {
+    if (per16(kind)) {
         *sc = kscale_group(w->scale, w->scale_d, rb * (K / 16) + 16 * b + u, 4);
     } else if (kind == LAYOUT_Q8) { /* Q8_0: the file's fp16 scale per 32 weights, as they are */
         *sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + (rb * (K / 32) + 8 * b + u) * 16)));
@@ -691,13 +701,13 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
     const long C = K / 64, run = tiled_run_bytes(kind);
     const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
     const __m512i n4 = _mm512_set1_epi8(15);
-    for (int u = 0; !ni && u < (kind == 1 ? 16 : 8); u++) { /* the tile's (a fused pass takes them chunk by chunk) */
+    for (int u = 0; !ni && u < (per16(kind) ? 16 : 8); u++) { /* the tile's (a fused pass takes them chunk by chunk) */
         __m512 mn;
         tiled_unit_scales(kind, w, K, rb, b, u, &t->sc[u], &mn);
         if (kind == 0 || kind == 5) t->mn[u] = mn;
     }
     const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
-    const int lpa = ni > 1 && kind != 1 ? 8 : 4;
+    const int lpa = ni > 1 && !per16(kind) ? 8 : 4;
 #pragma GCC unroll 1
     for (int cc = 0; cc < 4; cc++, src += run) { /* a chunk at a time: its 16 lines unrolled, its dots in registers */
         __m512i acc[FUSE_ITEMS][3][4];
@@ -708,7 +718,7 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                                                          * same sums, and 3 fewer additions per unit. Zen 4, one
                                                          * thread, 256 x 2048 in L2, batch 1: Q6_K 0.945x the time,
                                                          * IQ4_XS 0.96x, Q8_0 0.98x (Q4_K and Q5_K have no offset) */
-                    const int line = 16 * cc + lpa * k, unit_lines = kind == 1 ? 4 : 8; /* a 16-chunk or a group */
+                    const int line = 16 * cc + lpa * k, unit_lines = per16(kind) ? 4 : 8; /* a 16-chunk or a group */
                     acc[i][p][k] = line % unit_lines ? _mm512_setzero_si512()
                                                      : digits_from(blks[i], line / unit_lines, p, code_offset(kind));
                 }
@@ -738,6 +748,23 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                 } else {
                     PUT(i, _mm512_shuffle_epi8(table, _mm512_and_si512(v, n4)));
                     PUT(8 + i, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), n4)));
+                }
+            }
+        } else if (kind == KQ_Q3K) { /* codes 0..7: the low 2 bits of line l are bits 2 (l / 4) .. of the 2-bit plane's
+                  * 64 bytes l % 4, its top bit bit l / 2 of the top plane's 64 bytes l % 2 (tiled.py's _tiles); both
+                  * shifted into place, the top bit masked there, and one vpternlogd joins them. (16-bit shifts: a bit
+                  * crossing into a byte lands outside the bits kept.) */
+            const __m512i m3 = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
+            const __m512i h0 = _mm512_loadu_si512(src + 256), h1 = _mm512_loadu_si512(src + 320);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_loadu_si512(src + 64 * i);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const int line = i + 4 * k, at = line / 2; /* the line's top bit in its plane's bytes */
+                    const __m512i h = line % 2 ? h1 : h0;
+                    const __m512i top = _mm512_and_si512(at < 2 ? _mm512_slli_epi16(h, 2 - at) : at > 2 ? _mm512_srli_epi16(h, at - 2) : h, bit2);
+                    PUT(line, _mm512_ternarylogic_epi32(m3, k ? _mm512_srli_epi16(v, 2 * k) : v, top, 0xea)); /* (lo & 3) | top */
                 }
             }
         } else { /* Q5_K (w = 1), Q6_K (w = 2): the nibbles as q4's, then a plane of the codes' top w bits, bits
@@ -772,7 +799,7 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
         }
 #undef PUT
         if (ni) {
-            const int per = kind == 1 ? 4 : 2;
+            const int per = per16(kind) ? 4 : 2;
             __m512 sc[4], mn[4];
             for (int j = 0; j < per; j++) tiled_unit_scales(kind, w, K, rb, b, per * cc + j, &sc[j], &mn[j]);
             for (int i = 0; i < ni; i++) fuse_chunk(kind, sc, mn, blks[i], acc[i], cc, lpa, &s[i]);
@@ -847,7 +874,7 @@ static int tiled_ahead(int kind, int items) {
  * prefetch_block asks for any stream). */
 VNNI static inline ALWAYS void tiled_prefetch(int form, int kind, const TiledSrc *w, long nblk, long C, long run, long rb,
                                        long b) {
-    const long sb = rb * nblk + b, per = kind == 1 || kind == LAYOUT_Q8 ? 256 : 128; /* int8 scales (Q8_0: fp16) */
+    const long sb = rb * nblk + b, per = per16(kind) || kind == LAYOUT_Q8 ? 256 : 128; /* int8 scales (Q8_0: fp16) */
     const uint8_t *codes = w->codes + (rb * C + 4 * b) * run;
     if (form == AHEAD_BOTH) {
         prefetch_block(codes, 4 * run);
@@ -912,7 +939,7 @@ VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, 
 int quill_gemv_tiled_exact(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
                            const uint16_t *scale_d, const uint16_t *mins_d, const float *x, const float *xs,
                            uint8_t *digits, float *out, int N, int K, int B, int ld, int threads) {
-    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8) || K % 256 || N % 16) return -1;
+    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8 || kind == KQ_Q3K) || K % 256 || N % 16) return -1;
     if ((kind == 0 || kind == 5) && !(mins && mins_d)) return -1;
     if (kind == LAYOUT_Q8 && mins) return -1; /* Q8_0's tiles: no mins */
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
