@@ -413,7 +413,8 @@ def test_k_quant_tiles_need_their_scale_factors_and_q8_tiles_have_none():
 
 def test_q3_tiles_load_only_as_vnni_tiles():
     """Q3_K's q3 tiles (tiled.VNNI_ONLY) are refused in an AMX file's structure, where the AMX kernels would get
-    codes they have no path for, and load as VNNI tiles with their per-16 scales."""
+    codes they have no path for, and load as VNNI tiles with their per-16 scales. (Q2_K's q2 tiles likewise:
+    test_q2_tiles_keep_their_min_factors.)"""
     get = {"c": torch.zeros(1, 4, 384, dtype=torch.uint8), "s": torch.zeros(1, 16, 16, dtype=torch.int8),
            "d": torch.zeros(1, 1, 16, dtype=torch.float16), None: None}.get
     spec = {"t": "tiled", "kind": "q3", "codes": "c", "scale": "s", "mins": None, "scale_d": "d"}
@@ -421,6 +422,20 @@ def test_q3_tiles_load_only_as_vnni_tiles():
         quillfile._decode_weight(spec, get)
     t = quillfile._decode_weight({**spec, "vnni": True}, get, layout="vnni")
     assert (t.kind, t.rows, t.cols, t.vnni, t.native_kind) == ("q3", 16, 256, True, 128 | 64 | 4)
+
+
+def test_q2_tiles_keep_their_min_factors():
+    """Q2_K's q2 tiles hold their mins in the scale bytes' high nibbles, so they have min factors (dmin) without
+    a mins tensor: a VNNI file's structure gives them back, and an AMX one is refused."""
+    get = {"c": torch.zeros(1, 4, 256, dtype=torch.uint8), "s": torch.zeros(1, 16, 16, dtype=torch.int8),
+           "d": torch.zeros(1, 1, 16, dtype=torch.float16), "m": torch.ones(1, 1, 16, dtype=torch.float16),
+           None: None}.get
+    spec = {"t": "tiled", "kind": "q2", "codes": "c", "scale": "s", "mins": None, "scale_d": "d", "mins_d": "m"}
+    with pytest.raises(QuillFileError, match="AMX q2 tiles"):
+        quillfile._decode_weight(spec, get)
+    t = quillfile._decode_weight({**spec, "vnni": True}, get, layout="vnni")
+    assert (t.kind, t.rows, t.cols, t.native_kind) == ("q2", 16, 256, 256 | 64 | 4)
+    assert t.mins is None and torch.equal(t.mins_d, torch.ones(1, 1, 16, dtype=torch.float16))
 
 
 def test_vnni_q8_tiles_must_be_what_tile_for_vnni_makes():

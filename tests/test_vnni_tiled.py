@@ -124,17 +124,20 @@ def test_q8_0_on_the_vnni_tiles_is_exact_and_batch_invariant(avx512_kernels):
 
 
 @needs_kernels
-def test_q3_k_on_the_vnni_tiles_is_exact_and_batch_invariant(avx512_kernels):
-    """Q3_K takes the VNNI tiles (tiled.py's q3: codes q + 4 as a 2-bit plane and a top-bit plane, scales - 32
-    per 16 weights), the AMX layout never (tile_weight refuses it). Its block rows run another float order, so
-    the check is against the float64 product (1e-5 of the largest output), NaN rows kept apart, each row the
-    same bits alone and in a batch (the fused single item and pairs, the stored tile, a second chunk), a
-    prefill's rows the GEMV's, and the tiles dequantizing and looking up rows exactly as the blocks do."""
-    blocks = _weight(Q.Q3_K)
+@pytest.mark.parametrize("qtype,kind,bit", [(Q.Q3_K, "q3", 128), (Q.Q2_K, "q2", 256)], ids=["Q3_K", "Q2_K"])
+def test_low_bit_k_quants_on_the_vnni_tiles_are_exact_and_batch_invariant(qtype, kind, bit, avx512_kernels):
+    """Q3_K and Q2_K take the VNNI tiles (tiled.py's q3: codes q + 4 as a 2-bit plane and a top-bit plane,
+    scales - 32 per 16 weights; q2: codes as a 2-bit plane, the file's scale bytes sc | m << 4 per 16
+    weights, d and dmin), the AMX layout never (tile_weight refuses them). Their block rows run another float
+    order, so the check is against the float64 product (1e-5 of the largest output), NaN rows kept apart,
+    each row the same bits alone and in a batch (the fused single item and pairs, the stored tile, a second
+    chunk), a prefill's rows the GEMV's, and the tiles dequantizing and looking up rows exactly as the blocks
+    do."""
+    blocks = _weight(qtype)
     assert tiled.tile_weight(blocks) is None
     with use(OPTIONS):
         w = tiled.for_cpu(blocks)
-        assert isinstance(w, tiled.TiledWeight) and w.vnni and w.kind == "q3" and w.native_kind == 128 | 64 | 4
+        assert isinstance(w, tiled.TiledWeight) and w.vnni and w.kind == kind and w.native_kind == bit | 64 | 4
         assert w.nbytes <= 1.1 * blocks.nbytes
         lin, rows_lin = PackedLinear(w, None, Workspace()), PackedLinear(blocks, None, Workspace())
         x = _inputs(blocks.cols, 4)

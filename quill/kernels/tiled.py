@@ -8,8 +8,9 @@ table; Q5_K's top bit and Q6_K's top 2 bits in planes of their own) and their sc
 stores them: an int8 per 32 weights (Q6_K: 16) times an fp16 factor per 256, so the tiles take 1.03x
 (Q4_K), 1.023x (Q5_K), 1.015x (IQ4_XS) and 1.0x (Q6_K) the file's bytes. Q3_K tiles for the VNNI tiles only
 (the AMX kernels have no such codes): its codes q + 4 (0..7) as a plane of their low 2 bits and one of their
-top bit, its scales - 32 as an int8 per 16 weights times the fp16 d per 256, 1.036x the file's bytes. The
-kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64) and the other
+top bit, its scales - 32 as an int8 per 16 weights times the fp16 d per 256, 1.036x the file's bytes; and
+Q2_K (q2), its codes as a 2-bit plane and its scale bytes (sc | m << 4) as the file keeps them, with d and
+dmin per 256, 1.0x. The kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64) and the other
 GGUF block types keep their layout; so does every weight on a CPU without AMX, except the K-quants and
 Q8_0 where the VNNI tiles read the same layout (tile_for_vnni, csrc/kquant_i8.c).
 """
@@ -29,22 +30,22 @@ from quill.kernels.kquant import BlockWeight
 from quill.kernels.packed import GROUP, GroupWeight, PackedWeight, SplitWeight
 
 ROWS, CHUNK = 16, 64
-KSCALE_TYPES = {Q.Q4_K: "q4", Q.Q5_K: "q5", Q.IQ4_XS: "iq4", Q.Q6_K: "q6", Q.Q3_K: "q3"}  # GGUF block types that tile
-VNNI_ONLY = {"q3"}  # code kinds only the VNNI tiles read (the AMX kernels have no q3 path)
-_NATIVE = {"q4": 0, "q8": 1, "iq4": 8, "q6": 16, "q5": 32, "q3": 128}  # amx_gemv.c's kind bits for the codes (2: fp16, 4: K)
-TILE_BYTES = {"q4": 512, "iq4": 512, "q5": 640, "q6": 768, "q8": 1024, "q3": 384}
-GROUP_WEIGHTS = {"q4": 32, "iq4": 32, "q5": 32, "q6": 16, "q8": 32, "q3": 16}  # weights per scale
+KSCALE_TYPES = {Q.Q4_K: "q4", Q.Q5_K: "q5", Q.IQ4_XS: "iq4", Q.Q6_K: "q6", Q.Q3_K: "q3", Q.Q2_K: "q2"}  # block types that tile
+VNNI_ONLY = {"q3", "q2"}  # code kinds only the VNNI tiles read (the AMX kernels have no path for them)
+_NATIVE = {"q4": 0, "q8": 1, "iq4": 8, "q6": 16, "q5": 32, "q3": 128, "q2": 256}  # amx_gemv.c's kind bits for the codes
+TILE_BYTES = {"q4": 512, "iq4": 512, "q5": 640, "q6": 768, "q8": 1024, "q3": 384, "q2": 256}
+GROUP_WEIGHTS = {"q4": 32, "iq4": 32, "q5": 32, "q6": 16, "q8": 32, "q3": 16, "q2": 16}  # weights per scale
 
 
 @dataclass
 class TiledWeight(GroupWeight):
-    kind: str  # "q4" | "q8" | "iq4" | "q5" | "q6" | "q3"
+    kind: str  # "q4" | "q8" | "iq4" | "q5" | "q6" | "q3" | "q2"
     codes: torch.Tensor  # (rows/16, cols/64, TILE_BYTES[kind]): uint8, q8 int8
     scale: torch.Tensor  # (rows/16, groups, 16) float16 where that is exact (Q4_0, Q4_1, Q8_0), else float32,
-    #                      or int8 times scale_d (K-quant scales)
+    #                      or int8 times scale_d (K-quant scales); q2: the file's bytes sc | m << 4 (as int8)
     mins: torch.Tensor | None  # like scale, or None where every min is zero
     scale_d: torch.Tensor | None = None  # K-quant scales: (rows/16, cols/256, 16) float16 factors, else None
-    mins_d: torch.Tensor | None = None  # the mins' factors, likewise
+    mins_d: torch.Tensor | None = None  # the mins' factors, likewise (q2: +dmin, its mins in scale's high nibbles)
     vnni: bool = False  # run on the VNNI tiles (kquant_i8.c), not AMX: a K-quant weight tiled without AMX
 
     @property
@@ -65,7 +66,7 @@ class TiledWeight(GroupWeight):
     @property
     def native_kind(self) -> int:
         """The C kernel's kind: bit 0 = q8, bit 1 = fp16 scales and mins, bit 2 = K-quant scales, bits 3-5 =
-        iq4, q6, q5 codes, bit 6 = the VNNI tiles' weight, bit 7 = q3 codes."""
+        iq4, q6, q5 codes, bit 6 = the VNNI tiles' weight, bits 7-8 = q3, q2 codes."""
         return (_NATIVE[self.kind] | (2 if self.scale.dtype == torch.float16 else 0)
                 | (4 if self.scale_d is not None else 0) | (64 if self.vnni else 0))
 
@@ -94,6 +95,8 @@ class TiledWeight(GroupWeight):
         """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
         block, j = ids // ROWS, ids % ROWS
         tiles = self.codes[block]  # (T, C, TILE_BYTES)
+        if self.kind == "q2":
+            return self._q2_rows(tiles, block, j)
         if self.kind == "q3":  # the low 2 bits' plane (4 codes a byte), then the top bit's (8 a byte); codes - 4
             low = torch.cat([(tiles[..., :256] >> (2 * k)) & 3 for k in range(4)], dim=-1)
             top = torch.cat([(tiles[..., 256:] >> k) & 1 for k in range(8)], dim=-1)
@@ -113,6 +116,16 @@ class TiledWeight(GroupWeight):
         if self.mins is not None:
             values = values + self._group_values(self.mins, self.mins_d, block, j)
         return values.reshape(T, self.cols)
+
+    def _q2_rows(self, tiles: torch.Tensor, block: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """q2 rows: codes 0..3 four to a byte; d * sc * code - dmin * m per 16 weights, gguf's two products."""
+        tiles = torch.cat([(tiles >> (2 * k)) & 3 for k in range(4)], dim=-1)
+        T, C = tiles.shape[:2]
+        codes = tiles.view(T, C, 16, ROWS, 4)[torch.arange(T), :, :, j].reshape(T, self.cols // 16, 16).float()
+        packed = self.scale[block, :, j].view(torch.uint8).int()  # (T, cols / 16)
+        factor = lambda f: f[block, :, j].float().repeat_interleave(16, dim=1)  # noqa: E731
+        scale, minimum = factor(self.scale_d) * (packed & 15).float(), factor(self.mins_d) * (packed >> 4).float()
+        return (codes * scale[..., None] - minimum[..., None]).reshape(T, self.cols)
 
     @staticmethod
     def _group_values(v: torch.Tensor, d: torch.Tensor | None, block: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -159,6 +172,11 @@ def _tiles(codes: torch.Tensor, kind: str) -> torch.Tensor:
     tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
     if kind == "q8":
         return tiles.contiguous()
+    if kind == "q2":  # codes 0..3: byte b holds those of tile bytes b + 256 k at bits 2k, 2k + 1
+        low, packed = tiles.split(256, dim=-1), tiles[..., :256].clone()
+        for j in range(1, 4):
+            packed |= low[j] << (2 * j)
+        return packed.contiguous()
     if kind == "q3":
         low, top = (tiles & 3).split(256, dim=-1), ((tiles >> 2) & 1).split(128, dim=-1)
         lowp, topp = low[0].clone(), top[0].clone()
@@ -200,7 +218,7 @@ def tile_weight(w) -> TiledWeight | None:
 
 def tile_for_vnni(w) -> TiledWeight | None:
     """A weight's tiled form for the VNNI tiles (None for other types or shapes): for_cpu's rule where AMX does
-    not tile. They take the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K) and Q8_0: a q8 PackedWeight without mins whose
+    not tile. They take the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K) and Q8_0: a q8 PackedWeight without mins whose
     scales are fp16 (the file's), 256 columns to a block of the tiles' digits."""
     if isinstance(w, BlockWeight):
         return _tile_kscales(w, vnni=True)

@@ -353,8 +353,9 @@ def _decode_weight(spec: dict, get, layout: str = "amx"):
             raise QuillFileError("VNNI q8 tiles with mins or without fp16 scales in the file's structure")
         if not kscales:
             return TiledWeight(spec["kind"], codes, scale, mins, vnni=vnni)
+        has_min_factors = mins is not None or spec["kind"] == "q2"  # q2: its mins are the scale bytes' high nibbles
         return TiledWeight(spec["kind"], codes, scale, mins, factors("scale_d"),
-                           None if mins is None else factors("mins_d"), vnni)
+                           factors("mins_d") if has_min_factors else None, vnni)
     if kind == "blocks":
         qtype = getattr(GGMLQuantizationType, str(spec.get("qtype")), None)
         if qtype not in KINDS:

@@ -60,7 +60,7 @@ long quill_amx_scratch_bytes(int B, int K);
 
 /* The VNNI tiles' kind (kquant.c's block kind; LAYOUT_Q8 for Q8_0) of a tiled kind. */
 static inline int block_kind(int kind) {
-    return kind & KIND_Q8 ? LAYOUT_Q8 : kind & KIND_Q6 ? 1 : kind & KIND_IQ4 ? 4 : kind & KIND_Q5 ? 5 : kind & KIND_Q3 ? 9 : 0;
+    return kind & KIND_Q8 ? LAYOUT_Q8 : kind & KIND_Q6 ? 1 : kind & KIND_IQ4 ? 4 : kind & KIND_Q5 ? 5 : kind & KIND_Q3 ? 9 : kind & KIND_Q2 ? 8 : 0;
 }
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for a tiled weight: on the AMX tiles (quill_amx_gemv), or, with
@@ -87,12 +87,12 @@ long quill_tiled_scratch_bytes(int kind, int B, int K) {
  * where isa.h emulates the tile unit too (QUILL_EMULATE_AMX). */
 #define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
 #define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6 | KIND_Q3)) /* signed bytes */
-#define PER16(kind) ((kind) & (KIND_Q6 | KIND_Q3)) /* a scale per 16 weights */
+#define PER16(kind) ((kind) & (KIND_Q6 | KIND_Q3 | KIND_Q2)) /* a scale per 16 weights */
 #define WIDE_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q5)) /* the top digit joins in fp32 (q6: its own GEMV) */
 static inline int scale_groups(int kind, int K) { return PER16(kind) ? K / 16 : K / 32; } /* per row */
 /* Bytes of one stored tile: q4 and iq4 pack a 1024-byte tile into 512, q5 into 640, q6 into 768. */
 static inline long tile_bytes(int kind) {
-    return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : kind & KIND_Q3 ? 384 : 512;
+    return kind & KIND_Q8 ? 1024 : kind & KIND_Q6 ? 768 : kind & KIND_Q5 ? 640 : kind & KIND_Q3 ? 384 : kind & KIND_Q2 ? 256 : 512;
 }
 
 /* One weight's scales or mins: where they are and how they are stored (kind's bits 1 and 2). */
@@ -177,6 +177,15 @@ AVX512 static inline void unpack_tile_q3(const uint8_t *src, uint8_t *dst) {
     }
 }
 
+/* The q2 tile of (rb, c) unpacked to 1024 bytes, codes 0..3: tile byte 256 k + i's are bits 2k, 2k + 1 of byte i. */
+AVX512 static inline void unpack_tile_q2(const uint8_t *src, uint8_t *dst) {
+    const __m512i three = _mm512_set1_epi8(3);
+    for (int i = 0; i < 256; i += 64) {
+        const __m512i v = _mm512_loadu_si512(src + i);
+        for (int k = 0; k < 4; k++) _mm512_store_si512(dst + 256 * k + i, _mm512_and_si512(_mm512_srli_epi16(v, 2 * k), three));
+    }
+}
+
 /* The q5 tile of (rb, c) unpacked to 1024 bytes, codes 0..31. */
 AVX512 static inline void unpack_tile_q5(const uint8_t *src, uint8_t *dst) {
     const __m512i m = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
@@ -198,6 +207,7 @@ AVX512 static inline const uint8_t *tile_codes(int kind, const void *codes, long
     if (kind & KIND_Q8) return src;
     if (kind & KIND_Q6) unpack_tile_q6(src, staged);
     else if (kind & KIND_Q3) unpack_tile_q3(src, staged);
+    else if (kind & KIND_Q2) unpack_tile_q2(src, staged);
     else if (kind & KIND_Q5) unpack_tile_q5(src, staged);
     else if (kind & KIND_IQ4) unpack_tile_iq4(src, staged);
     else unpack_tile_q4(src, staged);
@@ -232,8 +242,16 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
                 float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
                 for (int u = 0; u < 4; u++) { /* 16 at a time: value = fmaf(code, scale, min) */
                     const long gi = ((long)rb * G + n * c + u * n / 4) * 16 + j; /* the group of codes 16u.. */
-                    const __m512 s = _mm512_set1_ps(group_value(&sv, gi));
-                    const __m512 m = _mm512_set1_ps(mins ? group_value(&mv, gi) : 0.f);
+                    __m512 s, m;
+                    if (kind & KIND_Q2) { /* the scale byte sc | m << 4: d sc and -(dmin m), gguf's two products */
+                        const uint8_t q = ((const uint8_t *)scale)[gi];
+                        const long f = (gi >> 8) * 16 + (gi & 15); /* the factors' index: 16 groups of 16 per 256 */
+                        s = _mm512_set1_ps(_cvtsh_ss(((const uint16_t *)scale_d)[f]) * (float)(q & 15));
+                        m = _mm512_set1_ps(-(_cvtsh_ss(((const uint16_t *)mins_d)[f]) * (float)(q >> 4)));
+                    } else {
+                        s = _mm512_set1_ps(group_value(&sv, gi));
+                        m = _mm512_set1_ps(mins ? group_value(&mv, gi) : 0.f);
+                    }
                     const __m128i b = _mm_load_si128((const __m128i *)((const uint8_t *)row + 16 * u));
                     const __m512i code = SIGNED_CODES(kind) ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
                     _mm512_storeu_ps(o + 16 * u, _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), s, m));

@@ -540,7 +540,7 @@ static inline uint8_t *kq_digits(float *xs, int B, int K) { return (uint8_t *)(x
 int quill_gemv_kq_tiled(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins, const uint16_t *scale_d,
                         const uint16_t *mins_d, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                         int threads) {
-    if (HAS_MIN(kind)) kq_group_sums(x, xs, B, K, 32);
+    if (HAS_MIN(kind)) kq_group_sums(x, xs, B, K, kind == 8 ? 16 : 32); /* Q2_K: a min per 16 weights */
     return quill_gemv_tiled_exact(kind, codes, scale, mins, scale_d, mins_d, x, xs, kq_digits(xs, B, K), out, N, K,
                                   B, ld, threads);
 }

@@ -40,9 +40,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KQ_Q3K 9 /* kquant.c's block kind of Q3_K: on the VNNI tiles only in the tiled layout (tiled.py's q3) */
-/* Whether a kind's scales (and digit units) are per 16 weights: Q6_K's and Q3_K's. */
-static inline int per16(int kind) { return kind == 1 || kind == KQ_Q3K; }
+#define KQ_Q2K 8 /* kquant.c's block kinds of Q2_K and Q3_K: on the VNNI tiles only in the tiled layout (tiled.py's */
+#define KQ_Q3K 9 /* q2 and q3) */
+/* Whether a kind's scales (and digit units) are per 16 weights: Q6_K's, Q3_K's and Q2_K's. */
+static inline int per16(int kind) { return kind == 1 || kind == KQ_Q3K || kind == KQ_Q2K; }
+/* Whether a kind's weights are d sc q - dmin m (mins subtracted per unit): Q4_K, Q5_K, Q2_K. */
+static inline int kmins(int kind) { return kind == 0 || kind == 5 || kind == KQ_Q2K; }
 
 #define ALWAYS __attribute__((always_inline))
 
@@ -118,7 +121,7 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
 typedef struct {
     __m512i c[64];  /* codes: c[j] lane r = row r's weights 4j..4j+3 (unsigned bytes) */
     __m512 sc[16];  /* per 32-group (Q6_K: per 16-chunk) weight scale, lane r = row r */
-    __m512 mn[8];   /* per 32-group min (Q4_K, Q5_K: dmin m; q4 / q8 layouts: min) */
+    __m512 mn[16];  /* per 32-group min (Q4_K, Q5_K: dmin m; q4 / q8 layouts: min; Q2_K per 16: dmin m) */
 } Tile;
 
 /* One item meeting the tile as it is decoded (a pass with a single item: nothing to reuse, so the codes
@@ -353,7 +356,7 @@ static inline const uint8_t *dig_block(const uint8_t *buf, long K, int b, long b
 /* x (B, K) fp32 with its sums xs (B, K / 32; read where the kind has mins) -> B digit buffers (layout
  * above) for a block kind's weights. */
 VNNI static void split_digits(int kind, const float *x, const float *xs, uint8_t *buf, int B, long K, int threads) {
-    const int off = code_offset(kind), q6 = per16(kind), mins = kind == 0 || kind == 5;
+    const int off = code_offset(kind), q6 = per16(kind), mins = kmins(kind);
 #pragma omp parallel for schedule(static) if (B >= 4) num_threads(threads > 0 ? threads : 1)
     for (int b = 0; b < B; b++) {
         for (long g = 0; g < K / 32; g++) {
@@ -362,11 +365,14 @@ VNNI static void split_digits(int kind, const float *x, const float *xs, uint8_t
             int32_t *from = (int32_t *)(blk + DIG_FROM);
             __m512i d[2][3];
             ((float *)(blk + DIG_UNIT))[u] = group_digits(x + (long)b * K + 32 * g, d);
-            if (mins) ((float *)(blk + DIG_XS))[u] = xs[(long)b * (K / 32) + g];
+            if (mins && q6) /* Q2_K: its two 16-weight sums where the offset terms would be (it has none) */
+                for (int h = 0; h < 2; h++) ((float *)(blk + DIG_FROM))[2 * u + h] = xs[(long)b * (K / 16) + 2 * g + h];
+            else if (mins)
+                ((float *)(blk + DIG_XS))[u] = xs[(long)b * (K / 32) + g];
             for (int p = 0; p < 3; p++) {
                 for (int h = 0; h < 2; h++)
                     _mm_storeu_si128((__m128i *)(blk + DIG_Q + 256 * p + 32 * u + 16 * h), _mm512_cvtepi32_epi8(d[h][p]));
-                if (q6)
+                if (q6 && off)
                     for (int h = 0; h < 2; h++) from[3 * (2 * u + h) + p] = -off * _mm512_reduce_add_epi32(d[h][p]);
                 else if (off)
                     from[3 * u + p] = -off * _mm512_reduce_add_epi32(_mm512_add_epi32(d[0][p], d[1][p]));
@@ -403,7 +409,7 @@ VNNI static inline ALWAYS __m512 digits_unit(__m512 sc, const __m512 *mn, const 
                                              const __m512i D[3], __m512 s) {
     const __m512 unit = _mm512_set1_ps(((const float *)(blk + DIG_UNIT))[q6 ? u / 2 : u]);
     s = _mm512_fmadd_ps(_mm512_mul_ps(digits_dot(D), unit), sc, s);
-    return mins ? with_min(*mn, minus, ((const float *)(blk + DIG_XS))[u], s) : s;
+    return mins ? with_min(*mn, minus, ((const float *)(blk + (q6 ? DIG_FROM : DIG_XS)))[u], s) : s; /* q6: Q2_K's */
 }
 
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
@@ -415,7 +421,7 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
                                           const uint8_t *act, long K, long b, int ng, float *acc, int i0, const int nb) {
     const int q6 = per16(kind), per = q6 ? 16 : 32, units = q6 ? 16 : ng < 8 ? ng : 8; /* Q6_K, Q3_K: per 16-chunk scales */
     const int offset = code_offset(kind);
-    const int minus = kind == 0 || kind == 5; /* Q4_K / Q5_K subtract their mins; the layouts add them */
+    const int minus = kmins(kind); /* Q4_K / Q5_K / Q2_K subtract their mins; the layouts add them */
     __m512 s[IT];
     const int8_t *qb[IT]; /* each item's activations of this block (digits: its block, planes at DIG_Q + 256 p) */
     for (int i = 0; i < nb; i++) {
@@ -441,7 +447,7 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
             }
         for (int i = 0; i < nb; i++) {
             if (nd == 3) {
-                s[i] = digits_unit(t->sc[u], q6 ? NULL : &t->mn[u], (const uint8_t *)qb[i], u, q6, has_mins && !q6, minus, DD[i], s[i]);
+                s[i] = digits_unit(t->sc[u], has_mins ? &t->mn[u] : NULL, (const uint8_t *)qb[i], u, q6, has_mins, minus, DD[i], s[i]);
                 continue;
             }
             /* int8: the dot times (scale * dx) */
@@ -472,6 +478,7 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
     do {                                                                                             \
         if ((kind) == LAYOUT_Q8) { F(LAYOUT_Q8, __VA_ARGS__); }                                      \
         else if ((kind) == KQ_Q3K) { F(KQ_Q3K, __VA_ARGS__); }                                       \
+        else if ((kind) == KQ_Q2K) { F(KQ_Q2K, __VA_ARGS__); }                                       \
         else { BLOCK_CONST(F, kind, __VA_ARGS__); }                                                  \
     } while (0)
 
@@ -644,7 +651,7 @@ int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, cons
 
 /* Bytes of one 64-column run of 16 rows' codes in the tiled layout, per block kind. */
 static inline long tiled_run_bytes(int kind) {
-    return kind == LAYOUT_Q8 ? 1024 : kind == 1 ? 768 : kind == 5 ? 640 : kind == KQ_Q3K ? 384 : 512;
+    return kind == LAYOUT_Q8 ? 1024 : kind == 1 ? 768 : kind == 5 ? 640 : kind == KQ_Q3K ? 384 : kind == KQ_Q2K ? 256 : 512;
 }
 
 typedef struct {
@@ -662,7 +669,7 @@ typedef struct {
 VNNI static inline ALWAYS void fuse_chunk(const int kind, const __m512 *sc, const __m512 *mn, const uint8_t *blk, __m512i acc[3][4], int cc,
                                           const int lpa, __m512 *s) {
     const int q6 = per16(kind), per = q6 ? 4 : 2;
-    const int mins = kind == 0 || kind == 5;
+    const int mins = kmins(kind);
     for (int j = 0; j < per; j++) {
         const int u = per * cc + j;
         __m512i D[3]; /* lpa: lines per accumulator, 4 (a unit's dot in one or two of them) or 8 (one) */
@@ -678,7 +685,14 @@ VNNI static inline ALWAYS void fuse_chunk(const int kind, const __m512 *sc, cons
 VNNI static inline ALWAYS void tiled_unit_scales(const int kind, const TiledSrc *w, long K, long rb, long b, int u,
                                                  __m512 *sc, __m512 *mn) {
     *mn = _mm512_setzero_ps();
-    if (per16(kind)) {
+    if (kind == KQ_Q2K) { /* the file's scale bytes sc | m << 4 for 16 rows: d sc, and dmin m (mins_d holds +dmin) */
+        const long g = rb * (K / 16) + 16 * b + u, f = rb * (K / 256) + b;
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->scale + g * 16)));
+        *sc = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scale_d + f * 16))),
+                            _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))));
+        *mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins_d + f * 16))),
+                            _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+    } else if (per16(kind)) {
         *sc = kscale_group(w->scale, w->scale_d, rb * (K / 16) + 16 * b + u, 4);
     } else if (kind == LAYOUT_Q8) { /* Q8_0: the file's fp16 scale per 32 weights, as they are */
         *sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + (rb * (K / 32) + 8 * b + u) * 16)));
@@ -704,7 +718,7 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
     for (int u = 0; !ni && u < (per16(kind) ? 16 : 8); u++) { /* the tile's (a fused pass takes them chunk by chunk) */
         __m512 mn;
         tiled_unit_scales(kind, w, K, rb, b, u, &t->sc[u], &mn);
-        if (kind == 0 || kind == 5) t->mn[u] = mn;
+        if (kmins(kind)) t->mn[u] = mn;
     }
     const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
     const int lpa = ni > 1 && !per16(kind) ? 8 : 4;
@@ -749,6 +763,14 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                     PUT(i, _mm512_shuffle_epi8(table, _mm512_and_si512(v, n4)));
                     PUT(8 + i, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), n4)));
                 }
+            }
+        } else if (kind == KQ_Q2K) { /* codes 0..3: line l's are bits 2 (l / 4) .. of the plane's 64 bytes l % 4 */
+            const __m512i m3 = _mm512_set1_epi8(3);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_loadu_si512(src + 64 * i);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) PUT(i + 4 * k, _mm512_and_si512(k ? _mm512_srli_epi16(v, 2 * k) : v, m3));
             }
         } else if (kind == KQ_Q3K) { /* codes 0..7: the low 2 bits of line l are bits 2 (l / 4) .. of the 2-bit plane's
                   * 64 bytes l % 4, its top bit bit l / 2 of the top plane's 64 bytes l % 2 (tiled.py's _tiles); both
@@ -880,18 +902,14 @@ VNNI static inline ALWAYS void tiled_prefetch(int form, int kind, const TiledSrc
         prefetch_block(codes, 4 * run);
         prefetch_block(w->scale + sb * per, per);
         if (w->scale_d) prefetch_block(w->scale_d + sb * 16, 32);
-        if (w->mins) {
-            prefetch_block(w->mins + sb * per, per);
-            prefetch_block(w->mins_d + sb * 16, 32);
-        }
+        if (w->mins) prefetch_block(w->mins + sb * per, per);
+        if (w->mins_d) prefetch_block(w->mins_d + sb * 16, 32);
     } else if (form == AHEAD_L2) {
         prefetch_block_l2(codes, 4 * run, STREAM_AHEAD);
         prefetch_block_l2(w->scale + sb * per, per, 4 * per);
         if (w->scale_d) prefetch_block_l2(w->scale_d + sb * 16, 32, 4 * 32);
-        if (w->mins) {
-            prefetch_block_l2(w->mins + sb * per, per, 4 * per);
-            prefetch_block_l2(w->mins_d + sb * 16, 32, 4 * 32);
-        }
+        if (w->mins) prefetch_block_l2(w->mins + sb * per, per, 4 * per);
+        if (w->mins_d) prefetch_block_l2(w->mins_d + sb * 16, 32, 4 * 32);
     }
 }
 
@@ -903,7 +921,7 @@ VNNI static inline ALWAYS void tiled_prefetch(int form, int kind, const TiledSrc
 VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, long K, int N, int B, float *out,
                             int ld, int threads) {
     const long nblk = K / 256, run = tiled_run_bytes(kind), C = K / 64;
-    const int RB = N / 16, has_mins = kind == 0 || kind == 5;
+    const int RB = N / 16, has_mins = kmins(kind);
     for (int c0 = 0; c0 < B; c0 += DCHUNK) {
         const int nc = B - c0 < DCHUNK ? B - c0 : DCHUNK, ahead = tiled_ahead(kind, nc);
         const int nt = threads > 0 ? threads : 1;
@@ -939,7 +957,10 @@ VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, 
 int quill_gemv_tiled_exact(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
                            const uint16_t *scale_d, const uint16_t *mins_d, const float *x, const float *xs,
                            uint8_t *digits, float *out, int N, int K, int B, int ld, int threads) {
-    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8 || kind == KQ_Q3K) || K % 256 || N % 16) return -1;
+    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8 || kind == KQ_Q3K || kind == KQ_Q2K) || K % 256 ||
+        N % 16)
+        return -1;
+    if (kind == KQ_Q2K && !(scale_d && mins_d)) return -1;
     if ((kind == 0 || kind == 5) && !(mins && mins_d)) return -1;
     if (kind == LAYOUT_Q8 && mins) return -1; /* Q8_0's tiles: no mins */
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
