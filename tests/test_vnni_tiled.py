@@ -67,18 +67,29 @@ def test_tiled_for_vnni_gives_the_blocks_outputs_bit_for_bit(qtype, avx512_kerne
             got, want = _gemvs(batch, x, lin, ref_lin)
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), batch
             assert _error(got, exact[:batch]) < 1e-5, batch
-        alone = torch.empty(1, w.rows)
-        lin.gemv(x[9:10].clone(), alone)
-        batched = torch.empty(16, w.rows)
-        lin.gemv(x[:16].contiguous(), batched)
-        assert torch.equal(alone[0], batched[9])  # batch-invariant
-        assert torch.equal(w.dequantize(), blocks.dequantize())
-        # prefill-sized inputs stay on the tiles (every row the GEMV's bits), where the blocks dequantize
-        prefill, want = lin(x[:24].nan_to_num()), torch.empty(24, w.rows)
+        _same_rows_everywhere(lin, w, blocks, x)
+        # prefill-sized inputs stay on the tiles, every row the blocks' GEMV's bits (the blocks dequantize)
+        want = torch.empty(24, w.rows)
         ref_lin.gemv(x[:24].nan_to_num(), want)
-        assert torch.equal(prefill, want)
-        ids = torch.tensor([0, 17, 47, 5])
-        assert torch.equal(w.dequantize_rows(ids), blocks.dequantize_rows(ids))
+        assert torch.equal(lin(x[:24].nan_to_num()), want)
+
+
+def _same_rows_everywhere(lin: PackedLinear, w, source, x: torch.Tensor) -> None:
+    """A tiled weight's rows the same bits alone and in a batch (the stored tile, the items fused in pairs, a
+    second chunk), a prefill's rows (every row on the tiles) the GEMV's, and the tiles dequantizing and looking
+    up rows exactly as `source`, the weight they were made from."""
+    alone = torch.empty(1, w.rows)
+    for batch, row in ((16, 9), (3, 2), (4, 1), (70, 66)):
+        batched = torch.empty(batch, w.rows)
+        lin.gemv(x[row:row + 1].clone(), alone)
+        lin.gemv(x[:batch].contiguous(), batched)
+        assert torch.equal(alone[0], batched[row]), batch
+    assert torch.equal(w.dequantize(), source.dequantize())
+    prefill, want = lin(x[:24].nan_to_num()), torch.empty(24, w.rows)
+    lin.gemv(x[:24].nan_to_num(), want)
+    assert torch.equal(prefill, want)
+    ids = torch.tensor([0, 17, 47, 5])
+    assert torch.equal(w.dequantize_rows(ids), source.dequantize_rows(ids))
 
 
 def _q8_0(rows=48, cols=512, seed=0):
@@ -109,18 +120,7 @@ def test_q8_0_on_the_vnni_tiles_is_exact_and_batch_invariant(avx512_kernels):
             assert _error(got, exact[:batch]) < 1e-5, batch
             if batch > 5:
                 assert (got[5] == 0).all()  # an all-zero item has no digits
-        alone = torch.empty(1, w.rows)
-        for batch, row in ((16, 9), (3, 2), (4, 1), (70, 66)):  # the stored tile, the items fused in pairs, a second chunk
-            batched = torch.empty(batch, w.rows)
-            lin.gemv(x[row:row + 1].clone(), alone)
-            lin.gemv(x[:batch].contiguous(), batched)
-            assert torch.equal(alone[0], batched[row]), batch
-        assert torch.equal(w.dequantize(), packed.dequantize())
-        prefill, want = lin(x[:24].nan_to_num()), torch.empty(24, w.rows)  # a prefill: every row on the tiles
-        lin.gemv(x[:24].nan_to_num(), want)
-        assert torch.equal(prefill, want)
-        ids = torch.tensor([0, 17, 47, 5])
-        assert torch.equal(w.dequantize_rows(ids), packed.dequantize_rows(ids))
+        _same_rows_everywhere(lin, w, packed, x)
 
 
 @needs_kernels
@@ -146,18 +146,7 @@ def test_low_bit_k_quants_on_the_vnni_tiles_are_exact_and_batch_invariant(qtype,
             got, rows_out = _gemvs(batch, x, lin, rows_lin)
             assert torch.equal(got.isnan(), rows_out.isnan()), batch
             assert _error(got, exact[:batch]) < 1e-5, batch
-        alone = torch.empty(1, w.rows)
-        for batch, row in ((16, 9), (3, 2), (4, 1), (70, 66)):
-            batched = torch.empty(batch, w.rows)
-            lin.gemv(x[row:row + 1].clone(), alone)
-            lin.gemv(x[:batch].contiguous(), batched)
-            assert torch.equal(alone[0], batched[row]), batch
-        assert torch.equal(w.dequantize(), blocks.dequantize())
-        prefill, want = lin(x[:24].nan_to_num()), torch.empty(24, w.rows)
-        lin.gemv(x[:24].nan_to_num(), want)
-        assert torch.equal(prefill, want)
-        ids = torch.tensor([0, 17, 47, 5])
-        assert torch.equal(w.dequantize_rows(ids), blocks.dequantize_rows(ids))
+        _same_rows_everywhere(lin, w, blocks, x)
 
 
 @needs_kernels
