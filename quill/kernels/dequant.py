@@ -200,15 +200,15 @@ class KScaleBlocks:
     """Q4_K / Q5_K / IQ4_XS / Q6_K / Q3_K blocks split with their scales kept as the format stores them: an integer
     per group (32 weights; Q6_K and Q3_K 16) times an fp16 factor per 256. value = factor * scale * table(code) +
     min_factor * min, where table is IQ4_VALUES for IQ4_XS, code - 32 for Q6_K, code - 4 for Q3_K and the code for
-    Q4_K, Q5_K. Q2_K keeps its scale bytes whole (scales: sc | m << 4 per 16 weights, mins None, min_factor
-    +dmin): value = d * sc * code - dmin * m."""
+    Q4_K, Q5_K. Q2_K keeps its scale bytes whole (scales: sc | m << 4 per 16 weights, mins None: m is each
+    byte's high nibble): value = d * sc * code - dmin * m."""
 
     codes: np.ndarray  # (rows, cols) uint8: nibbles 0..15 (IQ4_XS: indices into IQ4_VALUES), Q5_K 0..31, Q6_K 0..63,
     #                    Q3_K 0..7, Q2_K 0..3
     scales: np.ndarray  # (rows, groups) int8: Q4_K's / Q5_K's sc, IQ4_XS's ls - 32, Q6_K's per-16 scale, Q3_K's sc - 32
     scale_factor: np.ndarray  # (rows, cols / 256) float16: d
     mins: np.ndarray | None  # (rows, cols / 32) int8: Q4_K's / Q5_K's m; None for IQ4_XS, Q6_K and Q3_K
-    min_factor: np.ndarray | None  # (rows, cols / 256) float16: -dmin (Q2_K: +dmin)
+    min_factor: np.ndarray | None  # (rows, cols / 256) float16: -dmin
 
 
 def unpack_kscales(raw: np.ndarray, qtype, shape: tuple[int, int]) -> KScaleBlocks:
@@ -229,7 +229,7 @@ def unpack_kscales(raw: np.ndarray, qtype, shape: tuple[int, int]) -> KScaleBloc
     if qtype == Q.Q2_K:  # codes 0..3 for d * sc * q - dmin * m; sc | m << 4 per 16 weights kept as the file's bytes
         d, dmin = (blocks[:, o:o + 2].copy().view(np.float16).reshape(rows, nb) for o in (80, 82))
         return KScaleBlocks(_two_bit_codes(blocks[:, 16:80]).reshape(rows, cols), blocks[:, 0:16].view(np.int8).reshape(
-            rows, nb * 16), d, None, dmin)
+            rows, nb * 16), d, None, -dmin)
     if qtype == Q.Q3_K:  # codes q + 4 (0..7) for d * (sc - 32) * q, q in -4..3
         codes = (_unpack_q3_k(blocks)[0] + np.int8(4)).view(np.uint8)
         d = blocks[:, 108:110].copy().view(np.float16).reshape(rows, nb)

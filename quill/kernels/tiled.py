@@ -10,8 +10,8 @@ stores them: an int8 per 32 weights (Q6_K: 16) times an fp16 factor per 256, so 
 (the AMX kernels have no such codes): its codes q + 4 (0..7) as a plane of their low 2 bits and one of their
 top bit, its scales - 32 as an int8 per 16 weights times the fp16 d per 256, 1.036x the file's bytes; and
 Q2_K (q2), its codes as a 2-bit plane and its scale bytes (sc | m << 4) as the file keeps them, with d and
-dmin per 256, 1.0x. The kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape does not fit (rows % 16 or cols % 64) and the other
-GGUF block types keep their layout; so does every weight on a CPU without AMX, except the K-quants and
+-dmin per 256, 1.0x. The kernel and the byte order are described in csrc/amx_gemv.c. Weights whose shape
+does not fit (rows % 16 or cols % 64) and the other GGUF block types keep their layout; so does every weight on a CPU without AMX, except the K-quants and
 Q8_0 where the VNNI tiles read the same layout (tile_for_vnni, csrc/kquant_i8.c).
 """
 
@@ -45,7 +45,7 @@ class TiledWeight(GroupWeight):
     #                      or int8 times scale_d (K-quant scales); q2: the file's bytes sc | m << 4 (as int8)
     mins: torch.Tensor | None  # like scale, or None where every min is zero
     scale_d: torch.Tensor | None = None  # K-quant scales: (rows/16, cols/256, 16) float16 factors, else None
-    mins_d: torch.Tensor | None = None  # the mins' factors, likewise (q2: +dmin, its mins in scale's high nibbles)
+    mins_d: torch.Tensor | None = None  # the mins' factors, likewise (q2: its mins are scale's high nibbles)
     vnni: bool = False  # run on the VNNI tiles (kquant_i8.c), not AMX: a K-quant weight tiled without AMX
 
     @property
@@ -95,15 +95,13 @@ class TiledWeight(GroupWeight):
         """ids (T,) -> (T, cols) float32: an embedding lookup without an fp32 table."""
         block, j = ids // ROWS, ids % ROWS
         tiles = self.codes[block]  # (T, C, TILE_BYTES)
-        if self.kind == "q2":
-            return self._q2_rows(tiles, block, j)
-        if self.kind == "q3":  # the low 2 bits' plane (4 codes a byte), then the top bit's (8 a byte); codes - 4
-            low = torch.cat([(tiles[..., :256] >> (2 * k)) & 3 for k in range(4)], dim=-1)
-            top = torch.cat([(tiles[..., 256:] >> k) & 1 for k in range(8)], dim=-1)
-            tiles = (low | (top << 2)).to(torch.int16) - 4
+        if self.kind == "q2":  # codes four to a byte
+            tiles = _unpack_bits(tiles, 2)
+        elif self.kind == "q3":  # the low 2 bits' plane (4 codes a byte), then the top bit's (8 a byte); codes - 4
+            tiles = (_unpack_bits(tiles[..., :256], 2) | (_unpack_bits(tiles[..., 256:], 1) << 2)).to(torch.int16) - 4
         elif self.kind in ("q5", "q6"):  # the nibbles, then the top bits' plane: 1 bit (q5) or 2 (q6) per code
             low, high, width = tiles[..., :512], tiles[..., 512:], 1 if self.kind == "q5" else 2
-            top = torch.cat([(high >> (width * k)) & (2**width - 1) for k in range(8 // width)], dim=-1)
+            top = _unpack_bits(high, width)
             tiles = (torch.cat((low & 15, low >> 4), dim=-1) | (top << 4)).to(torch.int16) - (32 if width == 2 else 0)
         elif self.kind != "q8":
             tiles = torch.cat((tiles & 15, tiles >> 4), dim=-1)
@@ -112,20 +110,13 @@ class TiledWeight(GroupWeight):
         codes = tiles.view(T, C, 16, ROWS, 4)[torch.arange(T), :, :, j].reshape(T, self.cols // size, size)
         if self.kind == "iq4":
             codes = torch.from_numpy(IQ4_VALUES)[codes.long()]
-        values = codes.float() * self._group_values(self.scale, self.scale_d, block, j)
-        if self.mins is not None:
-            values = values + self._group_values(self.mins, self.mins_d, block, j)
+        scale, mins = self.scale, self.mins
+        if self.kind == "q2":  # the file's scale bytes: sc in the low nibble, m in the high one
+            scale, mins = self.scale.view(torch.uint8) & 15, self.scale.view(torch.uint8) >> 4
+        values = codes.float() * self._group_values(scale, self.scale_d, block, j)
+        if mins is not None:
+            values = values + self._group_values(mins, self.mins_d, block, j)
         return values.reshape(T, self.cols)
-
-    def _q2_rows(self, tiles: torch.Tensor, block: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        """q2 rows: codes 0..3 four to a byte; d * sc * code - dmin * m per 16 weights, gguf's two products."""
-        tiles = torch.cat([(tiles >> (2 * k)) & 3 for k in range(4)], dim=-1)
-        T, C = tiles.shape[:2]
-        codes = tiles.view(T, C, 16, ROWS, 4)[torch.arange(T), :, :, j].reshape(T, self.cols // 16, 16).float()
-        packed = self.scale[block, :, j].view(torch.uint8).int()  # (T, cols / 16)
-        factor = lambda f: f[block, :, j].float().repeat_interleave(16, dim=1)  # noqa: E731
-        scale, minimum = factor(self.scale_d) * (packed & 15).float(), factor(self.mins_d) * (packed >> 4).float()
-        return (codes * scale[..., None] - minimum[..., None]).reshape(T, self.cols)
 
     @staticmethod
     def _group_values(v: torch.Tensor, d: torch.Tensor | None, block: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -172,30 +163,30 @@ def _tiles(codes: torch.Tensor, kind: str) -> torch.Tensor:
     tiles = codes.reshape(n // ROWS, ROWS, k // CHUNK, 16, 4).permute(0, 2, 3, 1, 4).reshape(n // ROWS, k // CHUNK, 1024)
     if kind == "q8":
         return tiles.contiguous()
-    if kind == "q2":  # codes 0..3: byte b holds those of tile bytes b + 256 k at bits 2k, 2k + 1
-        low, packed = tiles.split(256, dim=-1), tiles[..., :256].clone()
-        for j in range(1, 4):
-            packed |= low[j] << (2 * j)
-        return packed.contiguous()
+    if kind == "q2":  # codes 0..3
+        return _pack_bits(tiles, 2)
     if kind == "q3":
-        low, top = (tiles & 3).split(256, dim=-1), ((tiles >> 2) & 1).split(128, dim=-1)
-        lowp, topp = low[0].clone(), top[0].clone()
-        for j in range(1, 4):
-            lowp |= low[j] << (2 * j)
-        for j in range(1, 8):
-            topp |= top[j] << j
-        return torch.cat((lowp, topp), dim=-1).contiguous()
+        return torch.cat((_pack_bits(tiles & 3, 2), _pack_bits(tiles >> 2, 1)), dim=-1).contiguous()
     low = tiles & 15
     packed = low[..., :512] | (low[..., 512:] << 4)
     if kind in ("q5", "q6"):
-        width = 1 if kind == "q5" else 2
-        span = 1024 * width // 8  # bytes of the top-bit plane
-        high = (tiles >> 4).split(span, dim=-1)
-        plane = high[0]
-        for k in range(1, len(high)):
-            plane = plane | (high[k] << (width * k))
-        packed = torch.cat((packed, plane), dim=-1)
+        packed = torch.cat((packed, _pack_bits(tiles >> 4, 1 if kind == "q5" else 2)), dim=-1)
     return packed.contiguous()
+
+
+def _pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., 1024) values of `width` bits -> (..., 128 * width) bytes: byte b holds values b + span k at bits
+    width k .. width k + width - 1 (span = 128 * width, the plane's bytes)."""
+    parts = values.split(values.shape[-1] * width // 8, dim=-1)
+    plane = parts[0].clone()
+    for k in range(1, len(parts)):
+        plane |= parts[k] << (width * k)
+    return plane.contiguous()
+
+
+def _unpack_bits(plane: torch.Tensor, width: int) -> torch.Tensor:
+    """_pack_bits undone: (..., n) bytes -> (..., 8 n / width) values."""
+    return torch.cat([(plane >> (width * k)) & (2**width - 1) for k in range(8 // width)], dim=-1)
 
 
 def tile_weight(w) -> TiledWeight | None:
@@ -218,8 +209,8 @@ def tile_weight(w) -> TiledWeight | None:
 
 def tile_for_vnni(w) -> TiledWeight | None:
     """A weight's tiled form for the VNNI tiles (None for other types or shapes): for_cpu's rule where AMX does
-    not tile. They take the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K) and Q8_0: a q8 PackedWeight without mins whose
-    scales are fp16 (the file's), 256 columns to a block of the tiles' digits."""
+    not tile. They take the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K) and Q8_0: a q8 PackedWeight without
+    mins whose scales are fp16 (the file's), 256 columns to a block of the tiles' digits."""
     if isinstance(w, BlockWeight):
         return _tile_kscales(w, vnni=True)
     if not isinstance(w, PackedWeight) or w.kind != "q8" or w.cols % 256:

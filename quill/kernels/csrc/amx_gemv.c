@@ -99,12 +99,20 @@ static inline long tile_bytes(int kind) {
 typedef struct {
     const void *v;     /* (N/16, G, 16): fp32, fp16 or int8 (q6: G16 groups) */
     const uint16_t *d; /* K-quant scales: (N/16, groups / 2^shift, 16) fp16 factors, else NULL */
-    int fmt;           /* 0 fp32, 1 fp16, 2 int8 x fp16 */
+    int fmt;           /* 0 fp32, 1 fp16, 2 int8 x fp16, 3 / 4 q2's low / high nibble x fp16 */
     int shift;         /* groups per fp16 factor: 2^3 groups of 32, or (q6) 2^4 of 16 */
 } Scales;
 
 static inline Scales scales_of(int kind, const void *v, const void *d) {
-    Scales s = {v, (const uint16_t *)d, kind & KIND_KSCALES ? 2 : kind & KIND_F16 ? 1 : 0, PER16(kind) ? 4 : 3};
+    Scales s = {v, (const uint16_t *)d, kind & KIND_Q2 ? 3 : kind & KIND_KSCALES ? 2 : kind & KIND_F16 ? 1 : 0,
+                PER16(kind) ? 4 : 3};
+    return s;
+}
+
+/* A weight's mins as Scales (v NULL: none): q2's are its scale bytes' high nibbles times mins_d. */
+static inline Scales mins_of(int kind, const void *scale, const void *mins, const void *mins_d) {
+    Scales s = scales_of(kind, kind & KIND_Q2 ? scale : mins, mins_d);
+    if (kind & KIND_Q2) s.fmt = 4;
     return s;
 }
 
@@ -222,14 +230,18 @@ static inline void tile_row(const uint32_t *quads, int j, uint32_t row[16]) {
 
 /* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. i = 16 * group + row in block. */
 static inline float group_value(const Scales *s, long i) {
-    if (s->fmt == 2) return _cvtsh_ss(s->d[(i >> (4 + s->shift)) * 16 + (i & 15)]) * (float)((const int8_t *)s->v)[i];
+    if (s->fmt >= 2) {
+        const int q = s->fmt == 2 ? ((const int8_t *)s->v)[i] : s->fmt == 3 ? ((const uint8_t *)s->v)[i] & 15
+                                                                            : ((const uint8_t *)s->v)[i] >> 4;
+        return _cvtsh_ss(s->d[(i >> (4 + s->shift)) * 16 + (i & 15)]) * (float)q;
+    }
     return s->fmt ? _cvtsh_ss(((const uint16_t *)s->v)[i]) : ((const float *)s->v)[i];
 }
 
 AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                               const void *mins_d, float *out, int N, int K, int threads) {
     const int C = K / 64, RB = N / 16, G = scale_groups(kind, K), n = G / C; /* n: scale groups per chunk */
-    const Scales sv = scales_of(kind, scale, scale_d), mv = scales_of(kind, mins, mins_d);
+    const Scales sv = scales_of(kind, scale, scale_d), mv = mins_of(kind, scale, mins, mins_d);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int rb = 0; rb < RB; rb++) {
         _Alignas(64) uint8_t staged[1024];
@@ -242,16 +254,8 @@ AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, co
                 float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
                 for (int u = 0; u < 4; u++) { /* 16 at a time: value = fmaf(code, scale, min) */
                     const long gi = ((long)rb * G + n * c + u * n / 4) * 16 + j; /* the group of codes 16u.. */
-                    __m512 s, m;
-                    if (kind & KIND_Q2) { /* the scale byte sc | m << 4: d sc and -(dmin m), gguf's two products */
-                        const uint8_t q = ((const uint8_t *)scale)[gi];
-                        const long f = (gi >> 8) * 16 + (gi & 15); /* the factors' index: 16 groups of 16 per 256 */
-                        s = _mm512_set1_ps(_cvtsh_ss(((const uint16_t *)scale_d)[f]) * (float)(q & 15));
-                        m = _mm512_set1_ps(-(_cvtsh_ss(((const uint16_t *)mins_d)[f]) * (float)(q >> 4)));
-                    } else {
-                        s = _mm512_set1_ps(group_value(&sv, gi));
-                        m = _mm512_set1_ps(mins ? group_value(&mv, gi) : 0.f);
-                    }
+                    const __m512 s = _mm512_set1_ps(group_value(&sv, gi));
+                    const __m512 m = _mm512_set1_ps(mv.v ? group_value(&mv, gi) : 0.f);
                     const __m128i b = _mm_load_si128((const __m128i *)((const uint8_t *)row + 16 * u));
                     const __m512i code = SIGNED_CODES(kind) ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
                     _mm512_storeu_ps(o + 16 * u, _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), s, m));

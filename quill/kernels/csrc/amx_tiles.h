@@ -28,13 +28,21 @@
 #define KIND_Q5 32
 #define KIND_VNNI 64
 #define KIND_Q3 128 /* q3 codes (Q3_K: 0..7 for q + 4, scales per 16 weights): the VNNI tiles only */
-#define KIND_Q2 256 /* q2 codes (Q2_K: 0..3; scale bytes sc | m << 4 per 16 weights, mins_d +dmin): VNNI tiles only */
+#define KIND_Q2 256 /* q2 codes (Q2_K: 0..3; scale bytes sc | m << 4 per 16 weights, mins_d -dmin): VNNI tiles only */
 
 /* 16 rows' values of K-quant scale (or min) group `group` of the tiled layout: the int8 per group times its
  * fp16 factor (one per 2^shift groups), an fp16 times a small integer, so exact in fp32. */
 AVX512 static inline __m512 kscale_group(const int8_t *v, const uint16_t *d, long group, int shift) {
     return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (group >> shift) * 16))),
                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + group * 16)))));
+}
+
+/* kscale_group for q2's scale bytes (sc | m << 4): the low nibble (high = 0, the scale) or the high one (the
+ * min) as the integer. */
+AVX512 static inline __m512 kscale_nibble(const int8_t *v, const uint16_t *d, long group, int shift, int high) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v + group * 16)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (group >> shift) * 16))),
+                         _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15))));
 }
 
 /* LDTILECFG's 64-byte record (palette 1). */

@@ -526,6 +526,12 @@ long quill_kq_row_bytes(int kind, int K) {
     }
 }
 
+/* The sums of x a kind's mins need, into xs: per 32 weights (Q4_K, Q5_K), per 16 (Q2_K: a min per 16), none for
+ * the kinds without mins. */
+static void kq_min_sums(int kind, const float *x, float *xs, int B, int K) {
+    if (HAS_MIN(kind)) kq_group_sums(x, xs, B, K, kind == 8 ? 16 : 32);
+}
+
 /* Scratch bytes quill_gemv_kq needs for B items of K inputs: the sums of x (B * K / 16 floats), then the
  * VNNI tiles' digits of x. */
 long quill_gemv_kq_scratch_bytes(int B, int K) { return 4L * B * (K / 16) + quill_digits_bytes(B, K); }
@@ -540,7 +546,7 @@ static inline uint8_t *kq_digits(float *xs, int B, int K) { return (uint8_t *)(x
 int quill_gemv_kq_tiled(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins, const uint16_t *scale_d,
                         const uint16_t *mins_d, const float *x, float *xs, float *out, int N, int K, int B, int ld,
                         int threads) {
-    if (HAS_MIN(kind)) kq_group_sums(x, xs, B, K, kind == 8 ? 16 : 32); /* Q2_K: a min per 16 weights */
+    kq_min_sums(kind, x, xs, B, K);
     return quill_gemv_tiled_exact(kind, codes, scale, mins, scale_d, mins_d, x, xs, kq_digits(xs, B, K), out, N, K,
                                   B, ld, threads);
 }
@@ -556,10 +562,7 @@ void quill_gemv_kq(int kind, const uint8_t *blocks, const float *x, float *xs, f
     const long row_bytes = quill_kq_row_bytes(kind, K);
     if (!row_bytes) return;
     const int wide = quill_isa_used(isa) == 512, nblk = K / QK, tile = wide ? TILE512 : TILE;
-    if (kind == 8) /* Q2_K: a min per 16 weights, so sums of 16 */
-        kq_group_sums(x, xs, B, K, 16);
-    else if (HAS_MIN(kind))
-        kq_group_sums(x, xs, B, K, 32);
+    kq_min_sums(kind, x, xs, B, K);
     if (wide && quill_gemv_tiles_exact(kind, blocks, x, xs, kq_digits(xs, B, K), out, N, K, B, ld, threads) == 0)
         return; /* VNNI CPUs: the tiles of kquant_i8.c for the kinds they take */
     if (!wide && quill_gemv_tiles_f32_avx2(kind, blocks, x, xs, out, N, K, B, ld, threads) == 0)

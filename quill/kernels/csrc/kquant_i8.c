@@ -685,13 +685,10 @@ VNNI static inline ALWAYS void fuse_chunk(const int kind, const __m512 *sc, cons
 VNNI static inline ALWAYS void tiled_unit_scales(const int kind, const TiledSrc *w, long K, long rb, long b, int u,
                                                  __m512 *sc, __m512 *mn) {
     *mn = _mm512_setzero_ps();
-    if (kind == KQ_Q2K) { /* the file's scale bytes sc | m << 4 for 16 rows: d sc, and dmin m (mins_d holds +dmin) */
-        const long g = rb * (K / 16) + 16 * b + u, f = rb * (K / 256) + b;
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->scale + g * 16)));
-        *sc = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scale_d + f * 16))),
-                            _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))));
-        *mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins_d + f * 16))),
-                            _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+    if (kind == KQ_Q2K) { /* the file's scale bytes sc | m << 4: d sc, and -(-dmin m) as Q4_K's below */
+        const long g = rb * (K / 16) + 16 * b + u;
+        *sc = kscale_nibble(w->scale, w->scale_d, g, 4, 0);
+        *mn = _mm512_xor_ps(kscale_nibble(w->scale, w->mins_d, g, 4, 1), _mm512_set1_ps(-0.0f));
     } else if (per16(kind)) {
         *sc = kscale_group(w->scale, w->scale_d, rb * (K / 16) + 16 * b + u, 4);
     } else if (kind == LAYOUT_Q8) { /* Q8_0: the file's fp16 scale per 32 weights, as they are */
@@ -898,19 +895,20 @@ VNNI static inline ALWAYS void tiled_prefetch(int form, int kind, const TiledSrc
                                        long b) {
     const long sb = rb * nblk + b, per = per16(kind) || kind == LAYOUT_Q8 ? 256 : 128; /* int8 scales (Q8_0: fp16) */
     const uint8_t *codes = w->codes + (rb * C + 4 * b) * run;
-    if (form == AHEAD_BOTH) {
-        prefetch_block(codes, 4 * run);
-        prefetch_block(w->scale + sb * per, per);
-        if (w->scale_d) prefetch_block(w->scale_d + sb * 16, 32);
-        if (w->mins) prefetch_block(w->mins + sb * per, per);
-        if (w->mins_d) prefetch_block(w->mins_d + sb * 16, 32);
-    } else if (form == AHEAD_L2) {
-        prefetch_block_l2(codes, 4 * run, STREAM_AHEAD);
-        prefetch_block_l2(w->scale + sb * per, per, 4 * per);
-        if (w->scale_d) prefetch_block_l2(w->scale_d + sb * 16, 32, 4 * 32);
-        if (w->mins) prefetch_block_l2(w->mins + sb * per, per, 4 * per);
-        if (w->mins_d) prefetch_block_l2(w->mins_d + sb * 16, 32, 4 * 32);
-    }
+    /* ASK(p, n, ahead) for each stream: its n bytes of this super-block (the L2 form 2 * ahead bytes ahead) */
+#define STREAMS(ASK)                                                                                 \
+    do {                                                                                             \
+        ASK(codes, 4 * run, STREAM_AHEAD);                                                           \
+        ASK(w->scale + sb * per, per, 4 * per);                                                      \
+        if (w->scale_d) ASK(w->scale_d + sb * 16, 32, 4 * 32);                                       \
+        if (w->mins) ASK(w->mins + sb * per, per, 4 * per);                                          \
+        if (w->mins_d) ASK(w->mins_d + sb * 16, 32, 4 * 32);                                         \
+    } while (0)
+#define BOTH_STEPS(p, n, ahead) prefetch_block(p, n)
+    if (form == AHEAD_BOTH) STREAMS(BOTH_STEPS);
+    else if (form == AHEAD_L2) STREAMS(prefetch_block_l2);
+#undef BOTH_STEPS
+#undef STREAMS
 }
 
 /* tile_gemm's loop with digits over the tiled layout (N a multiple of 16): each thread's row blocks are
