@@ -8,7 +8,7 @@ Real (quill's own code, run as is):
   - tiled.tile_weight: every weight under test is quill's TiledWeight (codes, scale, mins, native_kind);
     the emulation reads its bytes through the flat offsets the C kernel uses, not through its shapes.
   - TiledWeight.dequantize_rows (pure torch), compared with gguf's dequantization exactly.
-  - TiledWeight.dequantize, i.e. the native quill_amx_dequant (AVX-512 code, no tile instructions: on a CPU
+  - TiledWeight.dequantize, i.e. the native quill_tiled_dequant (AVX-512 code, no tile instructions: on a CPU
     without AVX-512, the same code on SIMDe's emulation, conftest.py), and quill_amx_scratch_bytes.
 
 Emulated (a transcription of quill_amx_gemv, which needs the tile unit):
@@ -40,6 +40,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from quill.kernels import native, tiled
+from quill.kernels.options import KernelOptions, use
 from quill.kernels.packed import GROUP, PackedWeight, pack_gguf
 from quill.kernels.quantize import quantize_int8
 
@@ -298,9 +299,12 @@ def test_tiled_layout_reads_back_gguf_values(case):
 @pytest.mark.skipif(native.load() is None, reason="needs the native library")
 @pytest.mark.parametrize("case", list(CASES))
 def test_native_amx_dequant_equals_gguf(case, avx512_kernels):
-    """quill_amx_dequant (AVX-512, no tile instructions): natively, or emulated where the CPU lacks AVX-512."""
+    """quill_tiled_dequant: its AVX-512 unpacking (no tile instructions: natively, or emulated where the CPU lacks
+    AVX-512) and its AVX2 one (isa 256) both give gguf's values."""
     t, _, ref = CASES[case](1)
-    np.testing.assert_array_equal(t.dequantize().numpy(), ref)  # quill_amx_dequant, for real
+    np.testing.assert_array_equal(t.dequantize().numpy(), ref)  # quill_tiled_dequant, for real
+    with use(KernelOptions(isa=256, threads=2)):
+        np.testing.assert_array_equal(t.dequantize().numpy(), ref)
 
 
 def test_shapes_that_do_not_fit_the_tiles_are_refused():

@@ -166,8 +166,56 @@ def test_for_cpu_tiles_only_k_quants_and_q8_0_and_only_without_amx_or_int8(avx51
             assert tiled.for_cpu(kept) is kept
     with use(dataclasses.replace(OPTIONS, int8=True)):  # the int8 kernels read the blocks
         assert tiled.for_cpu(q4k) is q4k
-    with use(dataclasses.replace(OPTIONS, isa=256)):  # the AVX2 kernels read the blocks
+    with use(dataclasses.replace(OPTIONS, isa=256)):  # the AVX2 digit tiles take Q4_K, Q5_K, Q3_K and Q2_K only
+        assert tiled.for_cpu(q4k).avx2
+        for kept in (_weight(Q.Q6_K), _weight(Q.IQ4_XS), _q8_0(), q5_0):
+            assert tiled.for_cpu(kept) is kept
+    with use(dataclasses.replace(OPTIONS, isa=256, int8=True)):  # the int8 kernels read the blocks on AVX2 too
         assert tiled.for_cpu(q4k) is q4k
+
+
+AVX2 = KernelOptions(isa=256, amx=False, threads=2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q3_K, Q.Q2_K], ids=lambda t: t.name)
+def test_avx2_digit_tiles_give_the_vnni_tiles_bits(qtype, avx512_kernels):
+    """The tiled layout's AVX2 kernel (csrc/tiled_avx2.c, where the VNNI tiles do not run: an AVX2 CPU or isa 256)
+    computes the VNNI tiles' integer dots with vpmaddubsw and their float sequence, so its outputs are theirs bit
+    for bit at every batch (the VNNI tiles natively, or emulated where the CPU lacks them), NaN rows included and
+    items scaled to the fp32 range's ends (a unit of 2^-150, the digits' two-step scaling); each row the same bits
+    alone and in a batch; and the tiles dequantize (quill_tiled_dequant's AVX2 unpacking) and look up rows as the
+    blocks do."""
+    blocks = _weight(qtype)
+    with use(AVX2):
+        w = tiled.for_cpu(blocks)
+        assert isinstance(w, tiled.TiledWeight) and w.avx2 and w.vnni and w.native_kind & (512 | 64) == 512 | 64
+        assert w.nbytes <= 1.1 * blocks.nbytes
+        assert torch.equal(w.dequantize(), blocks.dequantize())
+        ids = torch.tensor([0, 17, 47, 5])
+        assert torch.equal(w.dequantize_rows(ids), blocks.dequantize_rows(ids))
+    with use(OPTIONS):
+        vnni = tiled.for_cpu(blocks)
+        assert not vnni.avx2 and torch.equal(vnni.codes, w.codes)
+    lin, vnni_lin = PackedLinear(w, None, Workspace()), PackedLinear(vnni, None, Workspace())
+    x = _inputs(blocks.cols, 5)
+    x[8] *= 1e-38  # digits scaled up by more than 2^127: two steps
+    x[9] *= 1e30
+    exact = x.double() @ blocks.dequantize().double().T
+    for batch in (1, 2, 3, 5, 16, 17, 70):
+        with use(AVX2):
+            got = _gemvs(batch, x, lin)[0]
+        with use(OPTIONS):
+            want = _gemvs(batch, x, vnni_lin)[0]
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), batch
+        assert _error(got, exact[:batch]) < 1e-5, batch
+    alone = torch.empty(1, w.rows)
+    with use(AVX2):
+        for batch, row in ((16, 9), (3, 2), (4, 1), (70, 66)):
+            batched = torch.empty(batch, w.rows)
+            lin.gemv(x[row:row + 1].clone(), alone)
+            lin.gemv(x[:batch].contiguous(), batched)
+            assert torch.equal(alone[0], batched[row]), batch
 
 
 @needs_kernels
@@ -206,6 +254,42 @@ def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(recipe, tmp_
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got - want).abs().max()
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert (a - b).abs().max() <= max(2 * (a_ref - b_ref).abs().max(), 1e-5 * a_ref.abs().max())
+
+
+@needs_kernels
+def test_an_engine_on_the_avx2_digit_tiles_gives_the_blocks_logits(tmp_path, monkeypatch):
+    """With the AVX2 kernels (QUILL_NO_AVX512=1, as on an AVX2-only CPU) a small Q3_K_M file's Q3_K, Q4_K and Q5_K
+    weights load tiled for the AVX2 digit tiles and its Q6_K ones keep their blocks: the fused decode layers run
+    the tiles (kind bit 512), a prefill dequantizes them for BLAS as it does the blocks (the same values, so
+    the same prefill logits), and the decode steps after it agree with the blocks engine's within fp32 rounding,
+    with the same greedy tokens."""
+    from quill.config import CacheConfig, EngineConfig
+    from quill.engine.consistency import prefill_vs_decode
+    from quill.engine.engine import LLMEngine
+
+    shape = dataclasses.replace(MODELS["llama-3.2-1b"], hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
+    path = tmp_path / "small-Q3_K_M.gguf"
+    write_synth(path, shape, "Q3_K_M", num_layers=2, vocab=512)
+    monkeypatch.setenv("QUILL_NO_AMX", "1")
+    monkeypatch.setenv("QUILL_NO_AVX512", "1")
+
+    def engine():
+        return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks_override=16)))
+
+    tiled_engine = engine()
+    weights = [getattr(m, "weight", None) for m in tiled_engine.runner.model.modules()]
+    parts = [p for w in weights for p in getattr(w, "parts", [w])]
+    kinds = {p.kind for p in parts if isinstance(p, tiled.TiledWeight) and p.avx2}
+    assert {"q3", "q4", "q5"} <= kinds, kinds
+    assert any(isinstance(p, BlockWeight) and p.qtype == Q.Q6_K for p in parts)
+    monkeypatch.setattr(tiled, "for_cpu", lambda w: w)
+    blocks_engine = engine()
+    ids = [(7 * i + 3) % 500 + 1 for i in range(40)]
+    a, b = prefill_vs_decode(tiled_engine, ids, 24)
+    a_ref, b_ref = prefill_vs_decode(blocks_engine, ids, 24)
+    assert torch.equal(a, a_ref)
+    assert (b - b_ref).abs().max() <= 1e-4 * b_ref.abs().max(), (b - b_ref).abs().max()
+    assert torch.equal(b.argmax(-1), b_ref.argmax(-1))
 
 
 @needs_kernels

@@ -16,8 +16,8 @@ from pathlib import Path
 logger = logging.getLogger("quill.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c", "kquant_i8.c", "kquant_i8_avx2.c", "amx_gemm.c")]
-HEADERS = [CSRC / "isa.h", CSRC / "simd.h", CSRC / "attend_kv.h", CSRC / "kformat.h", CSRC / "kquant_i8.h", CSRC / "amx_tiles.h", CSRC / "digits.h", CSRC / "deal.h"]
+SOURCES = [CSRC / name for name in ("quant_gemv.c", "decode_layer.c", "amx_gemv.c", "kquant.c", "kquant_i8.c", "kquant_i8_avx2.c", "tiled_avx2.c", "amx_gemm.c")]
+HEADERS = [CSRC / "isa.h", CSRC / "simd.h", CSRC / "attend_kv.h", CSRC / "kformat.h", CSRC / "kquant_i8.h", CSRC / "amx_tiles.h", CSRC / "digits.h", CSRC / "deal.h", CSRC / "tiled_digits.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 P, I = ctypes.c_void_p, ctypes.c_int
 
@@ -119,8 +119,8 @@ def load(emulate: str | None = None) -> ctypes.CDLL | None:
     lib.quill_tiled_gemv.restype = None
     lib.quill_tiled_scratch_bytes.argtypes = [I, I, I]
     lib.quill_tiled_scratch_bytes.restype = ctypes.c_long
-    lib.quill_amx_dequant.argtypes = [I, P, P, P, P, P, P, I, I, I]
-    lib.quill_amx_dequant.restype = None
+    lib.quill_tiled_dequant.argtypes = [I, P, P, P, P, P, P, I, I, I, I]
+    lib.quill_tiled_dequant.restype = None
     lib.quill_amx_scratch_bytes.argtypes = [I, I]
     lib.quill_amx_scratch_bytes.restype = ctypes.c_long
     # the prefill GEMM on AMX-BF16 tiles (amx_gemm.c): x, w, out, M, N, K, ldo, scratch, threads -> 0 or -1

@@ -271,10 +271,12 @@ class PackedLinear(nn.Module):
         csrc/kquant_i8.c; 16 when measured here): a 512-token prefill of the 1B
         Q4_K_M, Q8_0 and IQ4_XS files on the AMD EPYC Zen 4 ran 1.28x, 1.22x and 1.34x the tokens per second of
         the dequantized tile through BLAS (fp32 FMAs, one weight per item each), in-process A/Bs; and each
-        row is then the same bits as the same token decoded alone."""
+        row is then the same bits as the same token decoded alone. Not the same tiles' AVX2 kernel (tiled.tile_for_avx2):
+        without vpdpbusd its three digit planes cost more per item than BLAS's FMAs on the dequantized tile."""
         if self._int8_all():
             return True
-        return self._lib is not None and all(getattr(p, "vnni", False) for p in self._parts())
+        return self._lib is not None and all(getattr(p, "vnni", False) and not getattr(p, "avx2", False)
+                                             for p in self._parts())
 
     def _int8_all(self) -> bool:
         """Whether int8 activations are on and every part of the weight has an int8 kernel."""

@@ -51,7 +51,7 @@
 #include <unistd.h>
 
 int quill_gemv_kq_tiled(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
-                        const float *, float *, float *, int, int, int, int, int); /* kquant.c */
+                        const float *, float *, float *, int, int, int, int, int, int); /* kquant.c */
 long quill_gemv_kq_scratch_bytes(int B, int K);
 void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                     const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
@@ -73,8 +73,9 @@ void quill_tiled_gemv(int kind, const void *codes, const void *scale, const void
         quill_amx_gemv(kind, codes, scale, mins, scale_d, mins_d, x, out, N, K, B, ld, scratch, threads);
         return;
     }
-    if (quill_gemv_kq_tiled(block_kind(kind), codes, scale, mins, scale_d, mins_d, x, scratch, out, N, K, B, ld, threads))
-        abort(); /* tiled.py tiles a weight for VNNI only where the CPU has it and the kind and shape fit */
+    if (quill_gemv_kq_tiled(block_kind(kind), codes, scale, mins, scale_d, mins_d, x, scratch, out, N, K, B, ld,
+                            (kind & KIND_AVX2) != 0, threads))
+        abort(); /* tiled.py tiles a weight for the digit tiles only where they run and the kind and shape fit */
 }
 
 long quill_tiled_scratch_bytes(int kind, int B, int K) {
@@ -222,6 +223,47 @@ AVX512 static inline const uint8_t *tile_codes(int kind, const void *codes, long
     return staged;
 }
 
+/* tile_codes on AVX2 (an engine or a CPU without AVX-512: the AVX2 digit tiles' weights, tiled.tile_for_avx2):
+ * the same unpacking, 32 bytes at a time, the same bytes. */
+static inline __m256i srl16(__m256i v, int n) { return n ? _mm256_srli_epi16(v, n) : v; }
+static const uint8_t *tile_codes_256(int kind, const void *codes, long tile, uint8_t *staged) {
+    const uint8_t *src = (const uint8_t *)codes + tile * tile_bytes(kind);
+    const __m256i m = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+#define LD(off) _mm256_loadu_si256((const __m256i *)(src + (off)))
+#define ST(off, v) _mm256_storeu_si256((__m256i *)(staged + (off)), (v))
+    if (kind & KIND_Q8) return src;
+    if (kind & (KIND_Q6 | KIND_Q5)) { /* nibbles, then a plane of the top w bits (q6 - 32, as unpack_tile_q6) */
+        const int w = kind & KIND_Q6 ? 2 : 1, parts = 8 / w, span = 1024 / parts;
+        const __m256i top = kind & KIND_Q6 ? three : one, off = _mm256_set1_epi8(kind & KIND_Q6 ? 32 : 0);
+        for (int i = 0; i < span; i += 32)
+            for (int k = 0; k < parts; k++) {
+                const __m256i v = LD((span * k + i) % 512), h = LD(512 + i);
+                const __m256i lo = k < parts / 2 ? _mm256_and_si256(v, m) : _mm256_and_si256(srl16(v, 4), m);
+                const __m256i hi = _mm256_and_si256(srl16(h, w * k), top);
+                ST(span * k + i, _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off));
+            }
+    } else if (kind & (KIND_Q3 | KIND_Q2)) { /* 2-bit plane (q3: and its top bit, - 4, as unpack_tile_q3) */
+        for (int i = 0; i < 256; i += 32)
+            for (int k = 0; k < 4; k++) {
+                __m256i c = _mm256_and_si256(srl16(LD(i), 2 * k), three);
+                if (kind & KIND_Q3)
+                    c = _mm256_sub_epi8(_mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(srl16(LD(256 + i % 128), (256 * k + i) / 128), one), 2)),
+                                        _mm256_set1_epi8(4));
+                ST(256 * k + i, c);
+            }
+    } else { /* q4, iq4 (its table's values) */
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
+        for (int i = 0; i < 512; i += 32) {
+            const __m256i v = LD(i), lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(srl16(v, 4), m);
+            ST(i, kind & KIND_IQ4 ? _mm256_shuffle_epi8(table, lo) : lo);
+            ST(512 + i, kind & KIND_IQ4 ? _mm256_shuffle_epi8(table, hi) : hi);
+        }
+    }
+#undef LD
+#undef ST
+    return staged;
+}
+
 /* Row j's 64 codes of a tile (as tile_codes gives it: dword 16 kk + j holds codes 4 kk .. 4 kk + 3) in
  * column order. */
 static inline void tile_row(const uint32_t *quads, int j, uint32_t row[16]) {
@@ -238,27 +280,31 @@ static inline float group_value(const Scales *s, long i) {
     return s->fmt ? _cvtsh_ss(((const uint16_t *)s->v)[i]) : ((const float *)s->v)[i];
 }
 
-AVX512 void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
-                              const void *mins_d, float *out, int N, int K, int threads) {
+/* Tiled weight -> (N, K) fp32 rows (prefill's GEMM tile, TiledWeight.dequantize): each value fmaf(code, scale,
+ * min). isa 512 unpacks the tiles with AVX-512 where the CPU has it (tile_codes), else with AVX2 (tile_codes_256):
+ * the same codes, so the same values. */
+void quill_tiled_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                         const void *mins_d, float *out, int N, int K, int isa, int threads) {
     const int C = K / 64, RB = N / 16, G = scale_groups(kind, K), n = G / C; /* n: scale groups per chunk */
+    const int wide = isa >= 512 && CPU_HAS("avx512f") && CPU_HAS("avx512bw");
     const Scales sv = scales_of(kind, scale, scale_d), mv = mins_of(kind, scale, mins, mins_d);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int rb = 0; rb < RB; rb++) {
         _Alignas(64) uint8_t staged[1024];
         for (int c = 0; c < C; c++) {
-            const int8_t *tile = (const int8_t *)tile_codes(kind, codes, (long)rb * C + c, staged);
-            const uint32_t *quads = (const uint32_t *)tile;
+            const long t = (long)rb * C + c;
+            const uint32_t *quads = (const uint32_t *)(wide ? tile_codes(kind, codes, t, staged) : tile_codes_256(kind, codes, t, staged));
             for (int j = 0; j < 16; j++) {
                 _Alignas(64) uint32_t row[16];
                 tile_row(quads, j, row);
                 float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
-                for (int u = 0; u < 4; u++) { /* 16 at a time: value = fmaf(code, scale, min) */
-                    const long gi = ((long)rb * G + n * c + u * n / 4) * 16 + j; /* the group of codes 16u.. */
-                    const __m512 s = _mm512_set1_ps(group_value(&sv, gi));
-                    const __m512 m = _mm512_set1_ps(mv.v ? group_value(&mv, gi) : 0.f);
-                    const __m128i b = _mm_load_si128((const __m128i *)((const uint8_t *)row + 16 * u));
-                    const __m512i code = SIGNED_CODES(kind) ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-                    _mm512_storeu_ps(o + 16 * u, _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), s, m));
+                for (int u = 0; u < 8; u++) { /* 8 at a time: value = fmaf(code, scale, min) */
+                    const long gi = ((long)rb * G + n * c + u * n / 8) * 16 + j; /* the group of codes 8u.. */
+                    const __m256 sc = _mm256_set1_ps(group_value(&sv, gi));
+                    const __m256 mn = _mm256_set1_ps(mv.v ? group_value(&mv, gi) : 0.f);
+                    const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)row + 8 * u));
+                    const __m256i code = SIGNED_CODES(kind) ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+                    _mm256_storeu_ps(o + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), sc, mn));
                 }
             }
         }
@@ -704,8 +750,8 @@ void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *
                     int threads) { abort(); }
 #if !AMX_COMPILER && !defined(QUILL_EMULATE_AVX512)
 long quill_amx_scratch_bytes(int B, int K) { return 0; }
-void quill_amx_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
-                       const void *mins_d, float *out, int N, int K, int threads) { abort(); }
+void quill_tiled_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                         const void *mins_d, float *out, int N, int K, int isa, int threads) { abort(); }
 void quill_amx_kq_rows(int kind, const void *codes, const void *scale, int K, int rb, int c0, int cn,
                        uint16_t *dst) { abort(); }
 #endif

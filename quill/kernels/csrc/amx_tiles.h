@@ -19,7 +19,8 @@
 /* A tiled weight's kind (quill/kernels/tiled.py's native_kind): bit 0 = q8 codes (else q4), bit 1 = fp16
  * scales and mins, bit 2 = K-quant scales (int8 per group, fp16 per 256), bit 3 = iq4 codes, bit 4 = q6
  * codes, bit 5 = q5 codes; bit 6: a K-quant weight tiled for the VNNI tiles (kquant_i8.c), on a CPU or an
- * engine without AMX; bit 7 = q3 codes, bit 8 = q2 codes (both with bit 6 always). */
+ * engine without AMX; bit 7 = q3 codes, bit 8 = q2 codes (both with bit 6 always); bit 9: with bit 6, run by
+ * the AVX2 digit tiles (tiled_avx2.c) instead of the VNNI ones. */
 #define KIND_Q8 1
 #define KIND_F16 2
 #define KIND_KSCALES 4
@@ -29,6 +30,7 @@
 #define KIND_VNNI 64
 #define KIND_Q3 128 /* q3 codes (Q3_K: 0..7 for q + 4, scales per 16 weights): the VNNI tiles only */
 #define KIND_Q2 256 /* q2 codes (Q2_K: 0..3; scale bytes sc | m << 4 per 16 weights, mins_d -dmin): VNNI tiles only */
+#define KIND_AVX2 512 /* with bit 6: the digit tiles' AVX2 kernel (tiled_avx2.c), for an engine or a CPU without VNNI */
 
 /* 16 rows' values of K-quant scale (or min) group `group` of the tiled layout: the int8 per group times its
  * fp16 factor (one per 2^shift groups), an fp16 times a small integer, so exact in fp32. */

@@ -27,8 +27,11 @@
  * x as three int8 digits per element, digits.h: at most 2^-22 of its group's largest |x| off, the size of
  * fp32's own rounding in a sum). With isa 256 (AVX2) the same kinds take kquant_i8_avx2.c's 8-row tiles
  * (quill_gemv_tiles_f32_avx2): 0.75-0.85x the rows' time at batch 1, 0.68-0.73x at batch 16 (before
- * that file's passes over two tiles, which took another 0.81-0.89x at batch 16 on a Zen 1). The rows
- * below serve the other kinds, and AVX-512 without VNNI.
+ * that file's passes over two tiles, which took another 0.81-0.89x at batch 16 on a Zen 1). An engine
+ * loads most weights of those kinds tiled, though (tiled.for_cpu): on the VNNI tiles' tiled layout, and
+ * with isa 256 Q4_K, Q5_K, Q3_K and Q2_K on that layout's AVX2 kernel (tiled_avx2.c), so these block
+ * kernels serve the rest (Q6_K and IQ4_XS on AVX2, shapes the tiles do not take). The rows below serve
+ * the other kinds, and AVX-512 without VNNI.
  *
  * Block layouts are facts from GGML's format (ggml-common.h block_q2_K .. block_q6_K and the
  * reference dequantize_row_q2_K .. _q6_K); the code is written here.
@@ -50,6 +53,8 @@ int quill_isa_used(int isa);
 int quill_gemv_tiles_exact(int, const uint8_t *, const float *, const float *, uint8_t *, float *, int, int, int, int, int);
 int quill_gemv_tiled_exact(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
                            const float *, const float *, uint8_t *, float *, int, int, int, int, int);
+int quill_gemv_tiled_exact_avx2(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
+                                const float *, const float *, uint8_t *, float *, int, int, int, int, int); /* tiled_avx2.c */
 long quill_digits_bytes(int B, int K);
 int quill_gemv_tiles_f32_avx2(int, const uint8_t *, const float *, const float *, float *, int, int, int, int, int);
 
@@ -539,16 +544,17 @@ long quill_gemv_kq_scratch_bytes(int B, int K) { return 4L * B * (K / 16) + quil
 /* Where the VNNI tiles' digits sit in quill_gemv_kq's scratch: after the sums of x (per 16 weights). */
 static inline uint8_t *kq_digits(float *xs, int B, int K) { return (uint8_t *)(xs + (long)B * (K / 16)); }
 
-/* quill_gemv_kq for a K-quant weight in the tiled layout (kind 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K; the
- * pointers as amx_gemv.c's header states) on the VNNI tiles (kquant_i8.c's quill_gemv_tiled_exact), with the
- * same sums of x and the same digits, so the same outputs as the blocks give. xs: scratch of
- * quill_gemv_kq_scratch_bytes(B, K). Returns 0, or -1 (nothing written) where the CPU has no VNNI. */
+/* quill_gemv_kq for a K-quant or Q8_0 weight in the tiled layout (kind 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K, 8 Q2_K,
+ * 9 Q3_K, LAYOUT_Q8; the pointers as amx_gemv.c's header states) on the digit tiles: the VNNI ones (kquant_i8.c's
+ * quill_gemv_tiled_exact), or with avx2 the AVX2 ones (tiled_avx2.c, the same bits), with the same sums of x and
+ * the same digits, so the same outputs as the blocks give. xs: scratch of quill_gemv_kq_scratch_bytes(B, K).
+ * Returns 0, or -1 (nothing written) where the CPU has no VNNI (avx2 0) or the kernel does not take the kind. */
 int quill_gemv_kq_tiled(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins, const uint16_t *scale_d,
                         const uint16_t *mins_d, const float *x, float *xs, float *out, int N, int K, int B, int ld,
-                        int threads) {
+                        int avx2, int threads) {
     kq_min_sums(kind, x, xs, B, K);
-    return quill_gemv_tiled_exact(kind, codes, scale, mins, scale_d, mins_d, x, xs, kq_digits(xs, B, K), out, N, K,
-                                  B, ld, threads);
+    return (avx2 ? quill_gemv_tiled_exact_avx2 : quill_gemv_tiled_exact)(kind, codes, scale, mins, scale_d, mins_d, x, xs,
+                                                                        kq_digits(xs, B, K), out, N, K, B, ld, threads);
 }
 
 /* out (B, ld) columns [0, N) = x (B, K) @ W.T for W (N, K) in `kind`'s blocks (0 = Q4_K, 1 = Q6_K,
