@@ -218,6 +218,32 @@ def test_avx2_digit_tiles_give_the_vnni_tiles_bits(qtype, avx512_kernels):
             assert torch.equal(alone[0], batched[row]), batch
 
 
+def _tiled_against_blocks(recipe: str, tmp_path, monkeypatch):
+    """A small Llama-shaped synth file of `recipe` (2 layers, vocab 512) in an engine with AMX off and the
+    environment's kernels, loaded as tiled.for_cpu has it and again with every weight kept as the file has it:
+    the first engine's weight parts, and each engine's (prefill, decode) logits of the same 40-token prompt
+    (engine.consistency.prefill_vs_decode, the last 24 positions)."""
+    from quill.config import CacheConfig, EngineConfig
+    from quill.engine.consistency import prefill_vs_decode
+    from quill.engine.engine import LLMEngine
+
+    shape = dataclasses.replace(MODELS["llama-3.2-1b"], hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
+    path = tmp_path / f"small-{recipe}.gguf"
+    write_synth(path, shape, recipe, num_layers=2, vocab=512)
+    monkeypatch.setenv("QUILL_NO_AMX", "1")
+
+    def engine():
+        return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks_override=16)))
+
+    tiled_engine = engine()
+    weights = [getattr(m, "weight", None) for m in tiled_engine.runner.model.modules()]
+    parts = [p for w in weights for p in getattr(w, "parts", [w])]
+    monkeypatch.setattr(tiled, "for_cpu", lambda w: w)
+    blocks_engine = engine()
+    ids = [(7 * i + 3) % 500 + 1 for i in range(40)]
+    return parts, prefill_vs_decode(tiled_engine, ids, 24), prefill_vs_decode(blocks_engine, ids, 24)
+
+
 @needs_kernels
 @pytest.mark.parametrize("recipe", ["Q4_K_M", "Q8_0"])
 def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(recipe, tmp_path, monkeypatch, avx512_kernels):
@@ -227,29 +253,10 @@ def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(recipe, tmp_
     the decode steps' after it agree with the reference engine's within fp32 rounding, with the same greedy
     tokens, and the tiled engine's prefill and decode logits agree at least as tightly as the reference's
     do. (The tiles' GEMV is the blocks' bit for bit: test_tiled_for_vnni_gives_the_blocks_outputs_bit_for_bit.)"""
-    from quill.config import CacheConfig, EngineConfig
-    from quill.engine.consistency import prefill_vs_decode
-    from quill.engine.engine import LLMEngine
-
-    shape = dataclasses.replace(MODELS["llama-3.2-1b"], hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
-    path = tmp_path / f"small-{recipe}.gguf"
-    write_synth(path, shape, recipe, num_layers=2, vocab=512)
-    monkeypatch.setenv("QUILL_NO_AMX", "1")
     monkeypatch.delenv("QUILL_NO_AVX512", raising=False)
-
-    def engine():
-        return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks_override=16)))
-
-    tiled_engine = engine()
-    weights = [getattr(m, "weight", None) for m in tiled_engine.runner.model.modules()]
-    parts = [p for w in weights for p in getattr(w, "parts", [w])]
+    parts, (a, b), (a_ref, b_ref) = _tiled_against_blocks(recipe, tmp_path, monkeypatch)
     kinds = {p.kind for p in parts if isinstance(p, tiled.TiledWeight) and p.vnni}
     assert ({"q4", "q6"} if recipe == "Q4_K_M" else {"q8"}) <= kinds, kinds
-    monkeypatch.setattr(tiled, "for_cpu", lambda w: w)
-    blocks_engine = engine()
-    ids = [(7 * i + 3) % 500 + 1 for i in range(40)]
-    a, b = prefill_vs_decode(tiled_engine, ids, 24)
-    a_ref, b_ref = prefill_vs_decode(blocks_engine, ids, 24)
     for got, want in ((a, a_ref), (b, b_ref)):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got - want).abs().max()
         assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -263,30 +270,11 @@ def test_an_engine_on_the_avx2_digit_tiles_gives_the_blocks_logits(tmp_path, mon
     the tiles (kind bit 512), a prefill dequantizes them for BLAS as it does the blocks (the same values, so
     the same prefill logits), and the decode steps after it agree with the blocks engine's within fp32 rounding,
     with the same greedy tokens."""
-    from quill.config import CacheConfig, EngineConfig
-    from quill.engine.consistency import prefill_vs_decode
-    from quill.engine.engine import LLMEngine
-
-    shape = dataclasses.replace(MODELS["llama-3.2-1b"], hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
-    path = tmp_path / "small-Q3_K_M.gguf"
-    write_synth(path, shape, "Q3_K_M", num_layers=2, vocab=512)
-    monkeypatch.setenv("QUILL_NO_AMX", "1")
     monkeypatch.setenv("QUILL_NO_AVX512", "1")
-
-    def engine():
-        return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks_override=16)))
-
-    tiled_engine = engine()
-    weights = [getattr(m, "weight", None) for m in tiled_engine.runner.model.modules()]
-    parts = [p for w in weights for p in getattr(w, "parts", [w])]
+    parts, (a, b), (a_ref, b_ref) = _tiled_against_blocks("Q3_K_M", tmp_path, monkeypatch)
     kinds = {p.kind for p in parts if isinstance(p, tiled.TiledWeight) and p.avx2}
     assert {"q3", "q4", "q5"} <= kinds, kinds
     assert any(isinstance(p, BlockWeight) and p.qtype == Q.Q6_K for p in parts)
-    monkeypatch.setattr(tiled, "for_cpu", lambda w: w)
-    blocks_engine = engine()
-    ids = [(7 * i + 3) % 500 + 1 for i in range(40)]
-    a, b = prefill_vs_decode(tiled_engine, ids, 24)
-    a_ref, b_ref = prefill_vs_decode(blocks_engine, ids, 24)
     assert torch.equal(a, a_ref)
     assert (b - b_ref).abs().max() <= 1e-4 * b_ref.abs().max(), (b - b_ref).abs().max()
     assert torch.equal(b.argmax(-1), b_ref.argmax(-1))
