@@ -299,8 +299,8 @@ def test_tiled_layout_reads_back_gguf_values(case):
 @pytest.mark.skipif(native.load() is None, reason="needs the native library")
 @pytest.mark.parametrize("case", list(CASES))
 def test_native_amx_dequant_equals_gguf(case, avx512_kernels):
-    """quill_tiled_dequant: its AVX-512 unpacking (no tile instructions: natively, or emulated where the CPU lacks
-    AVX-512) and its AVX2 one (isa 256) both give gguf's values."""
+    """quill_tiled_dequant (AVX2 code: its tile unpacking gives the bytes the AMX kernels' AVX-512 one does) gives
+    gguf's values, under the AVX-512 options and the AVX2 ones alike."""
     t, _, ref = CASES[case](1)
     np.testing.assert_array_equal(t.dequantize().numpy(), ref)  # quill_tiled_dequant, for real
     with use(KernelOptions(isa=256, threads=2)):

@@ -79,9 +79,8 @@ class TiledWeight(GroupWeight):
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.rows, self.cols) if out is None else out
-        opts = options.current()
-        native.load().quill_tiled_dequant(*self.native_args(), out.data_ptr(), self.rows, self.cols, opts.isa,
-                                          opts.threads)
+        native.load().quill_tiled_dequant(*self.native_args(), out.data_ptr(), self.rows, self.cols,
+                                          options.current().threads)
         return out
 
     @property
@@ -141,7 +140,7 @@ AVX2_KINDS = {"q4", "q5", "q3", "q2"}  # the digit tiles' AVX2 kernel (csrc/tile
 
 
 def avx2_available(opts: options.KernelOptions | None = None) -> bool:
-    """Whether the K-quant weights whose codes stay below 64 (AVX2_KINDS) take the tiled layout for the digit
+    """Whether the K-quant weights whose codes stay below 32 (AVX2_KINDS) take the tiled layout for the digit
     tiles' AVX2 kernel: the options ask for exact activations and the VNNI tiles do not run (an AVX2-only CPU,
     or an engine with the AVX2 kernels forced)."""
     lib = native.load()

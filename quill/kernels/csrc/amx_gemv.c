@@ -83,9 +83,9 @@ long quill_tiled_scratch_bytes(int kind, int B, int K) {
 }
 
 /* Without AMX intrinsics (amx_tiles.h's AMX_COMPILER) the stubs at the end build, so the other kernels
- * still build and the loader keeps the packed layout. The AVX-512 emulation builds (isa.h) build the
- * layout's AVX-512 parts (the q4 unpack, the dequantization, the scratch size), and the tile GEMV only
- * where isa.h emulates the tile unit too (QUILL_EMULATE_AMX). */
+ * still build and the loader keeps the packed layout (the dequantization, AVX2 code, builds everywhere). The
+ * AVX-512 emulation builds (isa.h) build the layout's AVX-512 parts (the tile unpacking, the scratch size), and
+ * the tile GEMV only where isa.h emulates the tile unit too (QUILL_EMULATE_AMX). */
 #define ROWS_PER_ITEM 6 /* A tile rows per item: 2 halves x 3 digits */
 #define SIGNED_CODES(kind) ((kind) & (KIND_Q8 | KIND_IQ4 | KIND_Q6 | KIND_Q3)) /* signed bytes */
 #define PER16(kind) ((kind) & (KIND_Q6 | KIND_Q3 | KIND_Q2)) /* a scale per 16 weights */
@@ -115,6 +115,92 @@ static inline Scales mins_of(int kind, const void *scale, const void *mins, cons
     Scales s = scales_of(kind, kind & KIND_Q2 ? scale : mins, mins_d);
     if (kind & KIND_Q2) s.fmt = 4;
     return s;
+}
+
+/* Tile `tile`'s 1024 codes in the tile unit's byte order, unpacked with AVX2, 32 bytes at a time, for the
+ * dequantization on every CPU the kernels run on: the bytes tile_codes (below) gives the AMX kernels, and q3's
+ * (q - 4) and q2's, which only the digit tiles hold. */
+static inline __m256i srl16(__m256i v, int n) { return n ? _mm256_srli_epi16(v, n) : v; }
+static const uint8_t *tile_codes_256(int kind, const void *codes, long tile, uint8_t *staged) {
+    const uint8_t *src = (const uint8_t *)codes + tile * tile_bytes(kind);
+    const __m256i m = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+#define LD(off) _mm256_loadu_si256((const __m256i *)(src + (off)))
+#define ST(off, v) _mm256_storeu_si256((__m256i *)(staged + (off)), (v))
+    if (kind & KIND_Q8) return src;
+    if (kind & (KIND_Q6 | KIND_Q5)) { /* nibbles, then a plane of the top w bits (q6 - 32, as unpack_tile_q6) */
+        const int w = kind & KIND_Q6 ? 2 : 1, parts = 8 / w, span = 1024 / parts;
+        const __m256i top = kind & KIND_Q6 ? three : one, off = _mm256_set1_epi8(kind & KIND_Q6 ? 32 : 0);
+        for (int i = 0; i < span; i += 32)
+            for (int k = 0; k < parts; k++) {
+                const __m256i v = LD((span * k + i) % 512), h = LD(512 + i);
+                const __m256i lo = k < parts / 2 ? _mm256_and_si256(v, m) : _mm256_and_si256(srl16(v, 4), m);
+                const __m256i hi = _mm256_and_si256(srl16(h, w * k), top);
+                ST(span * k + i, _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off));
+            }
+    } else if (kind & (KIND_Q3 | KIND_Q2)) { /* 2-bit plane (q3: and its top bit, - 4, as unpack_tile_q3) */
+        for (int i = 0; i < 256; i += 32)
+            for (int k = 0; k < 4; k++) {
+                __m256i c = _mm256_and_si256(srl16(LD(i), 2 * k), three);
+                if (kind & KIND_Q3)
+                    c = _mm256_sub_epi8(_mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(srl16(LD(256 + i % 128), (256 * k + i) / 128), one), 2)),
+                                        _mm256_set1_epi8(4));
+                ST(256 * k + i, c);
+            }
+    } else { /* q4, iq4 (its table's values) */
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
+        for (int i = 0; i < 512; i += 32) {
+            const __m256i v = LD(i), lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(srl16(v, 4), m);
+            ST(i, kind & KIND_IQ4 ? _mm256_shuffle_epi8(table, lo) : lo);
+            ST(512 + i, kind & KIND_IQ4 ? _mm256_shuffle_epi8(table, hi) : hi);
+        }
+    }
+#undef LD
+#undef ST
+    return staged;
+}
+
+/* Row j's 64 codes of a tile (as tile_codes and tile_codes_256 give it: dword 16 kk + j holds codes 4 kk .. 4 kk + 3) in
+ * column order. */
+static inline void tile_row(const uint32_t *quads, int j, uint32_t row[16]) {
+    for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
+}
+
+/* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. i = 16 * group + row in block. */
+static inline float group_value(const Scales *s, long i) {
+    if (s->fmt >= 2) {
+        const int q = s->fmt == 2 ? ((const int8_t *)s->v)[i] : s->fmt == 3 ? ((const uint8_t *)s->v)[i] & 15
+                                                                            : ((const uint8_t *)s->v)[i] >> 4;
+        return _cvtsh_ss(s->d[(i >> (4 + s->shift)) * 16 + (i & 15)]) * (float)q;
+    }
+    return s->fmt ? _cvtsh_ss(((const uint16_t *)s->v)[i]) : ((const float *)s->v)[i];
+}
+
+/* Tiled weight -> (N, K) fp32 rows (prefill's GEMM tile, TiledWeight.dequantize): each value fmaf(code, scale,
+ * min). AVX2 code, so it serves every tiled weight on every CPU (the AVX2 digit tiles' among them). */
+void quill_tiled_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                         const void *mins_d, float *out, int N, int K, int threads) {
+    const int C = K / 64, RB = N / 16, G = scale_groups(kind, K), n = G / C; /* n: scale groups per chunk */
+    const Scales sv = scales_of(kind, scale, scale_d), mv = mins_of(kind, scale, mins, mins_d);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int rb = 0; rb < RB; rb++) {
+        _Alignas(64) uint8_t staged[1024];
+        for (int c = 0; c < C; c++) {
+            const uint32_t *quads = (const uint32_t *)tile_codes_256(kind, codes, (long)rb * C + c, staged);
+            for (int j = 0; j < 16; j++) {
+                _Alignas(64) uint32_t row[16];
+                tile_row(quads, j, row);
+                float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
+                for (int u = 0; u < 8; u++) { /* 8 at a time: value = fmaf(code, scale, min) */
+                    const long gi = ((long)rb * G + n * c + u * n / 8) * 16 + j; /* the group of codes 8u.. */
+                    const __m256 sc = _mm256_set1_ps(group_value(&sv, gi));
+                    const __m256 mn = _mm256_set1_ps(mv.v ? group_value(&mv, gi) : 0.f);
+                    const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)row + 8 * u));
+                    const __m256i code = SIGNED_CODES(kind) ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+                    _mm256_storeu_ps(o + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), sc, mn));
+                }
+            }
+        }
+    }
 }
 
 #if AMX_COMPILER || defined(QUILL_EMULATE_AVX512)
@@ -172,29 +258,6 @@ AVX512 static inline void unpack_tile_q6(const uint8_t *src, uint8_t *dst) {
     }
 }
 
-/* The q3 tile of (rb, c) unpacked to 1024 signed bytes, code - 4: tile byte 256 k + i's low 2 bits are bits 2k, 2k + 1
- * of byte i, its top bit bit (256 k + i) / 128 of byte 256 + (256 k + i) % 128. */
-AVX512 static inline void unpack_tile_q3(const uint8_t *src, uint8_t *dst) {
-    const __m512i three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1), off = _mm512_set1_epi8(4);
-    for (int i = 0; i < 256; i += 64) {
-        const __m512i v = _mm512_loadu_si512(src + i), h = _mm512_loadu_si512(src + 256 + i % 128);
-        for (int k = 0; k < 4; k++) {
-            const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(v, 2 * k), three);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, (256 * k + i) / 128), one);
-            _mm512_store_si512(dst + 256 * k + i, _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 2)), off));
-        }
-    }
-}
-
-/* The q2 tile of (rb, c) unpacked to 1024 bytes, codes 0..3: tile byte 256 k + i's are bits 2k, 2k + 1 of byte i. */
-AVX512 static inline void unpack_tile_q2(const uint8_t *src, uint8_t *dst) {
-    const __m512i three = _mm512_set1_epi8(3);
-    for (int i = 0; i < 256; i += 64) {
-        const __m512i v = _mm512_loadu_si512(src + i);
-        for (int k = 0; k < 4; k++) _mm512_store_si512(dst + 256 * k + i, _mm512_and_si512(_mm512_srli_epi16(v, 2 * k), three));
-    }
-}
-
 /* The q5 tile of (rb, c) unpacked to 1024 bytes, codes 0..31. */
 AVX512 static inline void unpack_tile_q5(const uint8_t *src, uint8_t *dst) {
     const __m512i m = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
@@ -209,106 +272,16 @@ AVX512 static inline void unpack_tile_q5(const uint8_t *src, uint8_t *dst) {
     }
 }
 
-/* Tile `tile`'s 1024 codes in the tile unit's byte order: a q8 tile where it lies, the others unpacked
- * into `staged` (64-byte aligned). */
+/* Tile `tile`'s 1024 codes in the tile unit's byte order: a q8 tile where it lies, the others (q4, iq4, q5, q6:
+ * the AMX kernels' kinds) unpacked into `staged` (64-byte aligned). */
 AVX512 static inline const uint8_t *tile_codes(int kind, const void *codes, long tile, uint8_t *staged) {
     const uint8_t *src = (const uint8_t *)codes + tile * tile_bytes(kind);
     if (kind & KIND_Q8) return src;
     if (kind & KIND_Q6) unpack_tile_q6(src, staged);
-    else if (kind & KIND_Q3) unpack_tile_q3(src, staged);
-    else if (kind & KIND_Q2) unpack_tile_q2(src, staged);
     else if (kind & KIND_Q5) unpack_tile_q5(src, staged);
     else if (kind & KIND_IQ4) unpack_tile_iq4(src, staged);
     else unpack_tile_q4(src, staged);
     return staged;
-}
-
-/* tile_codes on AVX2 (an engine or a CPU without AVX-512: the AVX2 digit tiles' weights, tiled.tile_for_avx2):
- * the same unpacking, 32 bytes at a time, the same bytes. */
-static inline __m256i srl16(__m256i v, int n) { return n ? _mm256_srli_epi16(v, n) : v; }
-static const uint8_t *tile_codes_256(int kind, const void *codes, long tile, uint8_t *staged) {
-    const uint8_t *src = (const uint8_t *)codes + tile * tile_bytes(kind);
-    const __m256i m = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-#define LD(off) _mm256_loadu_si256((const __m256i *)(src + (off)))
-#define ST(off, v) _mm256_storeu_si256((__m256i *)(staged + (off)), (v))
-    if (kind & KIND_Q8) return src;
-    if (kind & (KIND_Q6 | KIND_Q5)) { /* nibbles, then a plane of the top w bits (q6 - 32, as unpack_tile_q6) */
-        const int w = kind & KIND_Q6 ? 2 : 1, parts = 8 / w, span = 1024 / parts;
-        const __m256i top = kind & KIND_Q6 ? three : one, off = _mm256_set1_epi8(kind & KIND_Q6 ? 32 : 0);
-        for (int i = 0; i < span; i += 32)
-            for (int k = 0; k < parts; k++) {
-                const __m256i v = LD((span * k + i) % 512), h = LD(512 + i);
-                const __m256i lo = k < parts / 2 ? _mm256_and_si256(v, m) : _mm256_and_si256(srl16(v, 4), m);
-                const __m256i hi = _mm256_and_si256(srl16(h, w * k), top);
-                ST(span * k + i, _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off));
-            }
-    } else if (kind & (KIND_Q3 | KIND_Q2)) { /* 2-bit plane (q3: and its top bit, - 4, as unpack_tile_q3) */
-        for (int i = 0; i < 256; i += 32)
-            for (int k = 0; k < 4; k++) {
-                __m256i c = _mm256_and_si256(srl16(LD(i), 2 * k), three);
-                if (kind & KIND_Q3)
-                    c = _mm256_sub_epi8(_mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(srl16(LD(256 + i % 128), (256 * k + i) / 128), one), 2)),
-                                        _mm256_set1_epi8(4));
-                ST(256 * k + i, c);
-            }
-    } else { /* q4, iq4 (its table's values) */
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_TABLE));
-        for (int i = 0; i < 512; i += 32) {
-            const __m256i v = LD(i), lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(srl16(v, 4), m);
-            ST(i, kind & KIND_IQ4 ? _mm256_shuffle_epi8(table, lo) : lo);
-            ST(512 + i, kind & KIND_IQ4 ? _mm256_shuffle_epi8(table, hi) : hi);
-        }
-    }
-#undef LD
-#undef ST
-    return staged;
-}
-
-/* Row j's 64 codes of a tile (as tile_codes gives it: dword 16 kk + j holds codes 4 kk .. 4 kk + 3) in
- * column order. */
-static inline void tile_row(const uint32_t *quads, int j, uint32_t row[16]) {
-    for (int kk = 0; kk < 16; kk++) row[kk] = quads[kk * 16 + j];
-}
-
-/* Tiled weight -> (N, K) fp32 rows, for prefill's GEMM tile. i = 16 * group + row in block. */
-static inline float group_value(const Scales *s, long i) {
-    if (s->fmt >= 2) {
-        const int q = s->fmt == 2 ? ((const int8_t *)s->v)[i] : s->fmt == 3 ? ((const uint8_t *)s->v)[i] & 15
-                                                                            : ((const uint8_t *)s->v)[i] >> 4;
-        return _cvtsh_ss(s->d[(i >> (4 + s->shift)) * 16 + (i & 15)]) * (float)q;
-    }
-    return s->fmt ? _cvtsh_ss(((const uint16_t *)s->v)[i]) : ((const float *)s->v)[i];
-}
-
-/* Tiled weight -> (N, K) fp32 rows (prefill's GEMM tile, TiledWeight.dequantize): each value fmaf(code, scale,
- * min). isa 512 unpacks the tiles with AVX-512 where the CPU has it (tile_codes), else with AVX2 (tile_codes_256):
- * the same codes, so the same values. */
-void quill_tiled_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
-                         const void *mins_d, float *out, int N, int K, int isa, int threads) {
-    const int C = K / 64, RB = N / 16, G = scale_groups(kind, K), n = G / C; /* n: scale groups per chunk */
-    const int wide = isa >= 512 && CPU_HAS("avx512f") && CPU_HAS("avx512bw");
-    const Scales sv = scales_of(kind, scale, scale_d), mv = mins_of(kind, scale, mins, mins_d);
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int rb = 0; rb < RB; rb++) {
-        _Alignas(64) uint8_t staged[1024];
-        for (int c = 0; c < C; c++) {
-            const long t = (long)rb * C + c;
-            const uint32_t *quads = (const uint32_t *)(wide ? tile_codes(kind, codes, t, staged) : tile_codes_256(kind, codes, t, staged));
-            for (int j = 0; j < 16; j++) {
-                _Alignas(64) uint32_t row[16];
-                tile_row(quads, j, row);
-                float *o = out + ((long)rb * 16 + j) * K + (long)c * 64;
-                for (int u = 0; u < 8; u++) { /* 8 at a time: value = fmaf(code, scale, min) */
-                    const long gi = ((long)rb * G + n * c + u * n / 8) * 16 + j; /* the group of codes 8u.. */
-                    const __m256 sc = _mm256_set1_ps(group_value(&sv, gi));
-                    const __m256 mn = _mm256_set1_ps(mv.v ? group_value(&mv, gi) : 0.f);
-                    const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)row + 8 * u));
-                    const __m256i code = SIGNED_CODES(kind) ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-                    _mm256_storeu_ps(o + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), sc, mn));
-                }
-            }
-        }
-    }
 }
 
 /* Rows 16 rb .. 16 rb + 15 of a K-quant tiled weight (kind bit 2), 64-column chunks [c0, c0 + cn), as the
@@ -750,8 +723,6 @@ void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *
                     int threads) { abort(); }
 #if !AMX_COMPILER && !defined(QUILL_EMULATE_AVX512)
 long quill_amx_scratch_bytes(int B, int K) { return 0; }
-void quill_tiled_dequant(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
-                         const void *mins_d, float *out, int N, int K, int isa, int threads) { abort(); }
 void quill_amx_kq_rows(int kind, const void *codes, const void *scale, int K, int rb, int c0, int cn,
                        uint16_t *dst) { abort(); }
 #endif
