@@ -150,7 +150,42 @@ def test_low_bit_k_quants_on_the_vnni_tiles_are_exact_and_batch_invariant(qtype,
 
 
 @needs_kernels
-def test_for_cpu_tiles_only_k_quants_and_q8_0_and_only_without_amx_or_int8(avx512_kernels):
+@pytest.mark.parametrize("qtype", [*TYPES, Q.Q8_0, Q.Q3_K], ids=lambda t: t.name)
+def test_int8_activations_on_the_vnni_tiles_give_the_blocks_int8_bits(qtype, avx512_kernels):
+    """With int8 activations (the opt-in) the K-quants and Q8_0 keep the VNNI tiles: quill_gemv_tiled_i8 rounds x
+    as quill_gemv_i8 does and meets the tile decode_tiled makes (decode_blocks' integers and scales), so every
+    batch, prefill rows included, is the blocks' int8 kernel's bits. Q3_K has no int8 kernel: its tiles stay on
+    the exact digits."""
+    source = _q8_0() if qtype == Q.Q8_0 else _weight(qtype)
+    int8 = dataclasses.replace(OPTIONS, int8=True)
+    x = _inputs(source.cols, 5)
+    with use(int8):
+        w = tiled.for_cpu(source)
+        assert isinstance(w, tiled.TiledWeight) and w.vnni
+        lin, ref = PackedLinear(w, None, Workspace()), PackedLinear(source, None, Workspace())
+        has_int8 = qtype != Q.Q3_K
+        assert (packed_int8_kind(w) is not None) == has_int8
+        for batch in (1, 2, 3, 5, 16, 17, 70):
+            got, want = _gemvs(batch, x, lin, ref)
+            if has_int8:
+                assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), batch
+        if has_int8:
+            assert torch.equal(lin(x[:24].nan_to_num()), ref(x[:24].nan_to_num()))
+    if not has_int8:  # the same bits as the exact options give
+        with use(OPTIONS):
+            assert torch.equal(_gemvs(70, x, PackedLinear(w, None, Workspace()))[0].nan_to_num(), got.nan_to_num())
+    with use(dataclasses.replace(int8, isa=256)):  # the AVX2 digit tiles have no int8 kernel
+        assert packed_int8_kind(tiled.tile_for_avx2(_weight(Q.Q4_K))) is None
+
+
+def packed_int8_kind(w):
+    from quill.kernels.packed import int8_kind
+
+    return int8_kind(w, native.load())
+
+
+@needs_kernels
+def test_for_cpu_tiles_only_k_quants_and_q8_0_and_only_without_amx(avx512_kernels):
     q4k, q5_0 = _weight(Q.Q4_K), _weight(Q.Q5_0, cols=64)
     with use(OPTIONS):
         assert isinstance(tiled.for_cpu(q4k), tiled.TiledWeight)
@@ -164,8 +199,8 @@ def test_for_cpu_tiles_only_k_quants_and_q8_0_and_only_without_amx_or_int8(avx51
                      dataclasses.replace(q8, mins=torch.ones_like(q8.scale)),  # a min (Q5_1's layout)
                      dataclasses.replace(q8, scale=q8.scale + 1e-9)):  # scales fp16 would round (--quantize int8)
             assert tiled.for_cpu(kept) is kept
-    with use(dataclasses.replace(OPTIONS, int8=True)):  # the int8 kernels read the blocks
-        assert tiled.for_cpu(q4k) is q4k
+    with use(dataclasses.replace(OPTIONS, int8=True)):  # the VNNI tiles have int8 kernels too
+        assert isinstance(tiled.for_cpu(q4k), tiled.TiledWeight) and isinstance(tiled.for_cpu(q8), tiled.TiledWeight)
     with use(dataclasses.replace(OPTIONS, isa=256)):  # the AVX2 digit tiles take Q4_K, Q5_K, Q3_K and Q2_K only
         assert tiled.for_cpu(q4k).avx2
         for kept in (_weight(Q.Q6_K), _weight(Q.IQ4_XS), _q8_0(), q5_0):
@@ -284,8 +319,9 @@ def test_an_engine_on_the_avx2_digit_tiles_gives_the_blocks_logits(tmp_path, mon
 @pytest.mark.parametrize("recipe", ["Q4_K_M", "Q8_0"])
 def test_the_vnni_quill_layout_maps_the_same_tiles(recipe, tmp_path, monkeypatch, avx512_kernels):
     """`quill convert --layout vnni` writes the K-quants and Q8_0 as the VNNI tiles (auto picks it without AMX): the
-    file loads the same objects as the GGUF does on such an engine, with the same logits; an engine that
-    does not run the VNNI tiles (int8 activations here) refuses it naming what to do."""
+    file loads the same objects as the GGUF does on such an engine, with the same logits (and with int8
+    activations, whose kernel those tiles have too); an engine that does not run the VNNI tiles (the AVX2
+    kernels forced here) refuses it naming what to do."""
     from quill.bench.accuracy import position_logits
     from quill.models import quillfile
     from quill.models.convert import convert
@@ -309,6 +345,10 @@ def test_the_vnni_quill_layout_maps_the_same_tiles(recipe, tmp_path, monkeypatch
     ids = [(5 * i + 2) % 500 + 1 for i in range(20)]
     assert torch.equal(position_logits(mapped, ids), position_logits(direct, ids))
     monkeypatch.setenv("QUILL_INT8_ACTIVATIONS", "1")
+    mapped, direct = load_model(str(out), context_len=64), load_model(str(src), context_len=64)
+    assert torch.equal(position_logits(mapped, ids), position_logits(direct, ids))
+    monkeypatch.delenv("QUILL_INT8_ACTIVATIONS")
+    monkeypatch.setenv("QUILL_NO_AVX512", "1")
     with pytest.raises(quillfile.QuillFileError, match="VNNI.*--layout portable"):
         load_model(str(out), context_len=64)
 

@@ -117,6 +117,11 @@ def load(emulate: str | None = None) -> ctypes.CDLL | None:
     # the same arguments: AMX, or (kind bit 6) a K-quant weight tiled for the VNNI tiles
     lib.quill_tiled_gemv.argtypes = [I, P, P, P, P, P, P, P, I, I, I, I, P, I]
     lib.quill_tiled_gemv.restype = None
+    # the same with int8 activations (scratch: quill_act8_bytes) -> 0, or -1 where quill_tiled_i8_supported(kind) is 0
+    lib.quill_tiled_gemv_i8.argtypes = [I, P, P, P, P, P, P, P, I, I, I, I, P, I]
+    lib.quill_tiled_gemv_i8.restype = I
+    lib.quill_tiled_i8_supported.argtypes = [I]
+    lib.quill_tiled_i8_supported.restype = I
     lib.quill_tiled_scratch_bytes.argtypes = [I, I, I]
     lib.quill_tiled_scratch_bytes.restype = ctypes.c_long
     lib.quill_tiled_dequant.argtypes = [I, P, P, P, P, P, P, I, I, I]

@@ -306,9 +306,13 @@ class PackedLinear(nn.Module):
     def _call(self, w, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, ld: int | None = None):
         """(function, arguments) of one weight's kernel writing out's first w.rows columns (row stride ld)."""
         from quill.kernels.kquant import BlockWeight
+        from quill.kernels.tiled import TiledWeight
 
         opts = options.current()
         k8 = int8_kind(w, self._lib) if opts.int8 else None
+        if k8 is not None and isinstance(w, TiledWeight):
+            return self._lib.quill_tiled_gemv_i8, (*w.native_args(), x.data_ptr(), out.data_ptr(), w.rows, w.cols,
+                                                   x.shape[0], ld or w.rows, scratch.data_ptr(), opts.threads)
         if k8 is not None:
             scale, mins = (w.scale.data_ptr(), _ptr(w.mins)) if isinstance(w, PackedWeight) else (None, None)
             codes = w.codes if isinstance(w, PackedWeight) else w.blocks
@@ -332,7 +336,10 @@ def int8_kind(w, lib) -> int | None:
     """kquant_i8.c's kind for a weight (its layouts, or kquant.c's block kind), or None where this CPU has
     no int8 kernel for it: the one place that decides which weights take int8 activations."""
     from quill.kernels.kquant import BlockWeight
+    from quill.kernels.tiled import TiledWeight
 
+    if isinstance(w, TiledWeight):  # the VNNI tiles' int8 kernel (amx_gemv.c decides which tiled kinds have one)
+        return w.native_kind if lib.quill_tiled_i8_supported(w.native_kind) else None
     if isinstance(w, BlockWeight):
         kind = w.kind
     elif isinstance(w, PackedWeight):

@@ -150,11 +150,12 @@ def avx2_available(opts: options.KernelOptions | None = None) -> bool:
 
 def vnni_available(opts: options.KernelOptions | None = None) -> bool:
     """Whether K-quant and Q8_0 weights loaded now take the tiled layout for the VNNI tiles instead (where AMX
-    does not tile them): the options ask for the AVX-512 kernels with exact activations (int8 activations keep the
-    blocks, which their kernels read) and the CPU has AVX-512 VNNI."""
+    does not tile them): the options ask for the AVX-512 kernels and the CPU has AVX-512 VNNI. With int8
+    activations too: the tiles then run their int8 kernel where the kind has one (packed.int8_kind), the same
+    bits as the blocks' int8 kernel, and the exact digits where it has none (Q3_K, Q2_K)."""
     lib = native.load()
     opts = opts or options.current()
-    return lib is not None and opts.isa >= 512 and not opts.int8 and bool(lib.quill_hw_vnni())
+    return lib is not None and opts.isa >= 512 and bool(lib.quill_hw_vnni())
 
 
 def _blocked(t: torch.Tensor, rows: int, groups: int, half: bool) -> torch.Tensor:

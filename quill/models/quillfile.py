@@ -409,7 +409,7 @@ def check_layout(layout: str, required: list[str], path: Path) -> None:
                              "or amx=False); re-run `quill convert --layout portable`")
     if layout == "vnni" and not tiled.vnni_available():
         raise QuillFileError(f"{path.name} holds K-quant tiles for the VNNI kernels, which this engine does not run "
-                             "(QUILL_NO_AVX512=1, int8 activations, or isa avx2); re-run `quill convert --layout "
+                             "(QUILL_NO_AVX512=1, or isa avx2); re-run `quill convert --layout "
                              "portable`")
 
 

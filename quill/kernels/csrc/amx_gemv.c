@@ -53,6 +53,9 @@
 int quill_gemv_kq_tiled(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
                         const float *, float *, float *, int, int, int, int, int, int); /* kquant.c */
 long quill_gemv_kq_scratch_bytes(int B, int K);
+int quill_gemv_tiled_i8(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
+                        const float *, uint8_t *, float *, int, int, int, int, int); /* kquant_i8.c */
+int quill_hw_vnni(void);
 void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                     const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
                     int threads);
@@ -76,6 +79,23 @@ void quill_tiled_gemv(int kind, const void *codes, const void *scale, const void
     if (quill_gemv_kq_tiled(block_kind(kind), codes, scale, mins, scale_d, mins_d, x, scratch, out, N, K, B, ld,
                             (kind & KIND_AVX2) != 0, threads))
         abort(); /* tiled.py tiles a weight for the digit tiles only where they run and the kind and shape fit */
+}
+
+/* 1 where a tiled weight of this kind has a kernel for int8 activations (the opt-in, kquant_i8.c's header): one
+ * tiled for the VNNI tiles on a CPU with VNNI, of a kind whose blocks have one (not Q3_K, Q2_K); not the AMX
+ * tiles, not the AVX2 digit tiles. The one definition, for tiled.py (packed.int8_kind) and decode_layer.c. */
+int quill_tiled_i8_supported(int kind) {
+    return (kind & KIND_VNNI) && !(kind & (KIND_AVX2 | KIND_Q3 | KIND_Q2)) && quill_hw_vnni();
+}
+
+/* quill_tiled_gemv with x rounded to int8 per 32 inputs (quill_gemv_i8's activations; scratch: quill_act8_bytes(B,
+ * K)), the bits quill_gemv_i8 gives on the weight's blocks. Returns 0, or -1 (nothing written) where
+ * quill_tiled_i8_supported(kind) is 0. */
+int quill_tiled_gemv_i8(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
+                        const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
+                        int threads) {
+    if (!quill_tiled_i8_supported(kind)) return -1;
+    return quill_gemv_tiled_i8(block_kind(kind), codes, scale, mins, scale_d, mins_d, x, scratch, out, N, K, B, ld, threads);
 }
 
 long quill_tiled_scratch_bytes(int kind, int B, int K) {

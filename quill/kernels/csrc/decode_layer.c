@@ -23,6 +23,8 @@ void quill_gemv_q8_ld(const int8_t *, const float *, const float *, const float 
 void quill_gemv_kq(int, const uint8_t *, const float *, float *, float *, int, int, int, int, int, int);
 void quill_tiled_gemv(int, const void *, const void *, const void *, const void *, const void *, const float *, float *,
                     int, int, int, int, void *, int);
+int quill_tiled_gemv_i8(int, const void *, const void *, const void *, const void *, const void *, const float *, float *,
+                    int, int, int, int, void *, int);
 int quill_isa_used(int isa);
 int quill_gemv_i8(int, const uint8_t *, const float *, const float *, const float *, uint8_t *, float *, int, int, int, int, int, int);
 
@@ -145,6 +147,9 @@ static void gemv_ld(const ModelShape *m, const QWeight *w, const float *x, float
         const int k8 = w->kind == 0 ? LAYOUT_Q4 : w->kind == 1 ? LAYOUT_Q8
                      : w->kind >= BLOCKS_FIRST && w->kind <= BLOCKS_LAST ? w->kind - BLOCKS_FIRST : -1;
         if (k8 >= 0 && quill_gemv_i8(k8, w->codes, w->scale, w->mins, x, (uint8_t *)sums, out, N, K, B, ld, m->isa, nt) == 0) return;
+        if (w->kind == 3 && quill_tiled_gemv_i8(w->amx, w->codes, w->scale, w->mins, w->scale_d, w->mins_d, x, out, N, K, B,
+                                                ld, sums, nt) == 0)
+            return; /* the VNNI tiles' kinds that have an int8 kernel (amx_gemv.c's quill_tiled_i8_supported) */
     }
     if (w->kind == 0) quill_gemv_q4_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);
     else if (w->kind == 1) quill_gemv_q8_ld(w->codes, w->scale, w->mins, x, sums, out, N, w->groups, B, ld, m->isa, nt);

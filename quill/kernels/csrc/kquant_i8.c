@@ -812,17 +812,19 @@ VNNI static void fused_tiled(int kind, int ni, const TiledSrc *w, long K, long r
 }
 
 
-/* tile_gemm's loop with digits over the tiled layout (N a multiple of 16): each thread's row blocks are
+/* tile_gemm's loop over the tiled layout (N a multiple of 16), with digits (nd = 3) or int8 activations
+ * (nd = 1, act: quill_act8_quantize's; every batch through the decoded tile, whose integers and scales are
+ * decode_blocks', so each row is the blocks' int8 kernel's bits): each thread's row blocks are
  * one stream, asked for ahead as tiled_ahead says, dealt (deal.h)
  * so that a thread done with its own takes the others' last ones: the whole 1B Q4_K_M model at batch 1
  * on the AMD EPYC Zen 4, in-engine A/B, 1.026x the tokens per second (3B: 1.048x), the closing barrier's
  * wait from 11% of the samples to under 1%. */
-VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, long K, int N, int B, float *out,
+VNNI static void tiled_gemm(int kind, int nd, const TiledSrc *w, const uint8_t *act, long K, int N, int B, float *out,
                             int ld, int threads) {
     const long nblk = K / 256, run = tiled_run_bytes(kind), C = K / 64;
-    const int RB = N / 16, has_mins = kmins(kind);
-    for (int c0 = 0; c0 < B; c0 += DCHUNK) {
-        const int nc = B - c0 < DCHUNK ? B - c0 : DCHUNK, ahead = tiled_ahead(kind, nc);
+    const int RB = N / 16, has_mins = kmins(kind), per_pass = nd == 3 ? DCHUNK : CHUNK, it = nd == 3 ? DIT : IT;
+    for (int c0 = 0; c0 < B; c0 += per_pass) {
+        const int nc = B - c0 < per_pass ? B - c0 : per_pass, ahead = tiled_ahead(kind, nc);
         const int nt = threads > 0 ? threads : 1;
         Deal deals[nt];
         deal_init(deals, nt, RB);
@@ -833,15 +835,15 @@ VNNI static void tiled_gemm(int kind, const TiledSrc *w, const uint8_t *digits, 
             memset(acc, 0, sizeof(float) * 16 * nc);
             for (long b = 0; b < nblk; b++) {
                 tiled_prefetch(ahead, kind, w, nblk, C, run, rb, b);
-                if (nc <= FUSE_BATCH) { /* the items in pairs (an odd one alone), each straight from the codes */
+                if (nd == 3 && nc <= FUSE_BATCH) { /* the items in pairs (an odd one alone), each straight from the codes */
                     for (int i = 0; i < nc; i += FUSE_ITEMS)
-                        fused_tiled(kind, nc - i < FUSE_ITEMS ? nc - i : FUSE_ITEMS, w, K, rb, b, digits, acc + 16 * i, c0 + i);
+                        fused_tiled(kind, nc - i < FUSE_ITEMS ? nc - i : FUSE_ITEMS, w, K, rb, b, act, acc + 16 * i, c0 + i);
                     continue;
                 }
                 decode_tiled_any(kind, w, K, rb, b, &t);
-                for (int i0 = 0; i0 < nc; i0 += DIT) {
-                    const int nb = nc - i0 < DIT ? nc - i0 : DIT;
-                    items_pass(kind, 3, &t, has_mins, digits, K, b, 8, acc + 16 * i0, c0 + i0, nb);
+                for (int i0 = 0; i0 < nc; i0 += it) {
+                    const int nb = nc - i0 < it ? nc - i0 : it;
+                    items_pass(kind, nd, &t, has_mins, act, K, b, 8, acc + 16 * i0, c0 + i0, nb);
                 }
             }
             for (int i = 0; i < nc; i++) _mm512_storeu_ps(out + (long)(c0 + i) * ld + 16L * rb, _mm512_loadu_ps(acc + 16 * i));
@@ -864,6 +866,22 @@ int quill_gemv_tiled_exact(int kind, const uint8_t *codes, const int8_t *scale, 
     if (kind == LAYOUT_Q8 && mins) return -1; /* Q8_0's tiles: no mins */
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
     split_digits(kind, x, xs, digits, B, K, threads);
-    tiled_gemm(kind, &w, digits, K, N, B, out, ld, threads);
+    tiled_gemm(kind, 3, &w, digits, K, N, B, out, ld, threads);
+    return 0;
+}
+
+/* quill_gemv_i8 (x rounded to int8 per 32, the header's Act) for a weight in the tiled layout: kinds 0 Q4_K,
+ * 1 Q6_K, 4 IQ4_XS, 5 Q5_K and LAYOUT_Q8, whose blocks have an int8 kernel (Q3_K and Q2_K have none); the
+ * same outputs, bit for bit, as quill_gemv_i8 on the weight's blocks (the decoded tile is theirs). act: scratch
+ * of quill_act8_bytes(B, K). Returns 0, or -1 (nothing written) without VNNI or for another kind or shape. */
+int quill_gemv_tiled_i8(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
+                        const uint16_t *scale_d, const uint16_t *mins_d, const float *x, uint8_t *act, float *out,
+                        int N, int K, int B, int ld, int threads) {
+    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8) || K % 256 || N % 16) return -1;
+    if ((kind == 0 || kind == 5) && !(mins && mins_d)) return -1;
+    if (kind == LAYOUT_Q8 && mins) return -1;
+    const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
+    quill_act8_quantize(x, act, B, K, threads);
+    tiled_gemm(kind, 1, &w, act, K, N, B, out, ld, threads);
     return 0;
 }
