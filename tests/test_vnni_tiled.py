@@ -169,8 +169,9 @@ def test_int8_activations_on_the_vnni_tiles_give_the_blocks_int8_bits(qtype, avx
             got, want = _gemvs(batch, x, lin, ref)
             if has_int8:
                 assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), batch
-        if has_int8:
+        if has_int8:  # the fused items (batches 1-4) and the stored tile: each row the same bits alone and in a batch
             assert torch.equal(lin(x[:24].nan_to_num()), ref(x[:24].nan_to_num()))
+            _same_rows_everywhere(lin, w, source, x)
     if not has_int8:  # the same bits as the exact options give
         with use(OPTIONS):
             assert torch.equal(_gemvs(70, x, PackedLinear(w, None, Workspace()))[0].nan_to_num(), got.nan_to_num())

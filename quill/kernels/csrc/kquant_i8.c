@@ -376,6 +376,18 @@ VNNI static inline ALWAYS __m512 digits_unit(__m512 sc, const __m512 *mn, const 
     return mins ? with_min(*mn, minus, ((const float *)(blk + (q6 ? DIG_FROM : DIG_XS)))[u], s) : s; /* q6: Q2_K's */
 }
 
+/* s after unit u (a group; Q6_K: a 16-chunk) of super-block b of an int8 item (a: its activations) whose integer
+ * dot is D: the dot, less the format's offset times the unit's sum of codes, times (the scale * dx), then,
+ * where the format has them, the min. The one definition of the int8 float sequence, for tile_items and
+ * fuse_chunk, whose sums agree bit for bit. */
+VNNI static inline ALWAYS __m512 int8_unit(__m512 sc, const __m512 *mn, const Act *a, long b, int u, int q6, int offset,
+                                           int has_mins, int minus, __m512i D, __m512 s) {
+    __m512 f = _mm512_cvtepi32_ps(D);
+    if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a->s16[16 * b + u] : a->s32[8 * b + u]), f);
+    s = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(a->dx[8 * b + (q6 ? u / 2 : u)])), s);
+    return has_mins && !q6 ? with_min(*mn, minus, a->xs[8 * b + u], s) : s;
+}
+
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
  * item i0 + i) += its contribution, in the float sequence the headers state: nd = 1, act holds rounded
  * int8 activations (Act); nd = 3, act holds digit buffers (DIG_*, with the mins' sums of x). Per group
@@ -414,12 +426,8 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
                 s[i] = digits_unit(t->sc[u], has_mins ? &t->mn[u] : NULL, (const uint8_t *)qb[i], u, q6, has_mins, minus, DD[i], s[i]);
                 continue;
             }
-            /* int8: the dot times (scale * dx) */
             const Act a = act_at(act, K, i0 + i);
-            __m512 f = _mm512_cvtepi32_ps(DD[i][0]);
-            if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a.s16[16 * b + u] : a.s32[8 * b + u]), f);
-            s[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(t->sc[u], _mm512_set1_ps(a.dx[8 * b + (q6 ? u / 2 : u)])), s[i]);
-            if (has_mins && !q6) s[i] = with_min(t->mn[u], minus, a.xs[8 * b + u], s[i]);
+            s[i] = int8_unit(t->sc[u], &t->mn[u], &a, b, u, q6, offset, has_mins, minus, DD[i][0], s[i]);
         }
     }
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
@@ -443,6 +451,13 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
         if ((kind) == LAYOUT_Q8) { F(LAYOUT_Q8, __VA_ARGS__); }                                      \
         else if ((kind) == KQ_Q3K) { F(KQ_Q3K, __VA_ARGS__); }                                       \
         else if ((kind) == KQ_Q2K) { F(KQ_Q2K, __VA_ARGS__); }                                       \
+        else { BLOCK_CONST(F, kind, __VA_ARGS__); }                                                  \
+    } while (0)
+
+/* F(k, ...) for a tiled kind with an int8 kernel (quill_gemv_tiled_i8's: the block kinds, LAYOUT_Q8). */
+#define I8_TILED_CONST(F, kind, ...)                                                                 \
+    do {                                                                                             \
+        if ((kind) == LAYOUT_Q8) { F(LAYOUT_Q8, __VA_ARGS__); }                                      \
         else { BLOCK_CONST(F, kind, __VA_ARGS__); }                                                  \
     } while (0)
 
@@ -620,16 +635,17 @@ int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, cons
  * (integers, exact in any order), then digits_unit, as tile_items does over stored dots. So the sums
  * are bit-identical to those, without the 48 stores and loads per super-block that cost a Zen 4 (a 512-bit
  * store there takes 2.4 cycles) more than a quarter of its batch-1 time. */
-VNNI static inline ALWAYS void fuse_chunk(const int kind, const __m512 *sc, const __m512 *mn, const uint8_t *blk, __m512i acc[3][4], int cc,
-                                          const int lpa, __m512 *s) {
+VNNI static inline ALWAYS void fuse_chunk(const int kind, const int nd, const __m512 *sc, const __m512 *mn, const uint8_t *blk,
+                                          const Act *a, long b, __m512i acc[3][4], int cc, const int lpa, __m512 *s) {
     const int q6 = per16(kind), per = q6 ? 4 : 2;
     const int mins = kmins(kind);
     for (int j = 0; j < per; j++) {
         const int u = per * cc + j;
         __m512i D[3]; /* lpa: lines per accumulator, 4 (a unit's dot in one or two of them) or 8 (one) */
-        for (int p = 0; p < 3; p++) /* (the offset terms are in: decode_tiled starts each unit's dots from them) */
+        for (int p = 0; p < nd; p++) /* (digits: the offset terms are in, decode_tiled starts each unit's dots from them) */
             D[p] = q6 || lpa == 8 ? acc[p][j] : _mm512_add_epi32(acc[p][2 * j], acc[p][2 * j + 1]);
-        *s = digits_unit(sc[j], &mn[j], blk, u, q6, mins, mins, D, *s);
+        *s = nd == 3 ? digits_unit(sc[j], &mn[j], blk, u, q6, mins, mins, D, *s)
+                     : int8_unit(sc[j], &mn[j], a, b, u, q6, code_offset(kind), mins, mins, D[0], *s);
     }
 }
 
@@ -662,7 +678,7 @@ VNNI static inline ALWAYS void tiled_unit_scales(const int kind, const TiledSrc 
  * once for vpdpbusd's latency; two keep a whole unit's lines in one (Q6_K: four lines, its unit), so their
  * 12 (Q6_K: 24) accumulators stay in registers. The integer dots are the same either way. */
 VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, long K, long rb, long b, Tile *t,
-                                            const int ni, const uint8_t *const *blks, __m512 *s) {
+                                            const int ni, const int nd, const uint8_t *const *blks, const Act *acts, __m512 *s) {
     const long C = K / 64, run = tiled_run_bytes(kind);
     const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
     const __m512i n4 = _mm512_set1_epi8(15);
@@ -677,25 +693,25 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
     for (int cc = 0; cc < 4; cc++, src += run) { /* a chunk at a time: its 16 lines unrolled, its dots in registers */
         __m512i acc[FUSE_ITEMS][3][4];
         for (int i = 0; i < ni; i++)
-            for (int p = 0; p < 3; p++)
+            for (int p = 0; p < nd; p++)
                 for (int k = 0; k < 16 / lpa; k++) { /* each unit's first accumulator starts from its offset term
                                                          * (fuse_chunk then adds the dots alone): integers, so the
                                                          * same sums, and 3 fewer additions per unit. Zen 4, one
                                                          * thread, 256 x 2048 in L2, batch 1: Q6_K 0.945x the time,
                                                          * IQ4_XS 0.96x, Q8_0 0.98x (Q4_K and Q5_K have no offset) */
                     const int line = 16 * cc + lpa * k, unit_lines = per16(kind) ? 4 : 8; /* a 16-chunk or a group */
-                    acc[i][p][k] = line % unit_lines ? _mm512_setzero_si512()
-                                                     : digits_from(blks[i], line / unit_lines, p, code_offset(kind));
+                    acc[i][p][k] = nd == 1 || line % unit_lines ? _mm512_setzero_si512() /* int8: offsets in fp32 */
+                                                                : digits_from(blks[i], line / unit_lines, p, code_offset(kind));
                 }
 #define PUT(line, v)                                                                                          \
     do {                                                                                                      \
         const __m512i v_ = (v);                                                                               \
         if (!ni) t->c[16 * cc + (line)] = v_;                                                                 \
         const int l_ = (line); /* (before the loops: a caller's line index may be called i) */              \
-        for (int i_ = 0; i_ < ni; i_++)                                                                       \
-            for (int p_ = 0; p_ < 3; p_++)                                                                    \
+        for (int i_ = 0; i_ < ni; i_++) /* blks: digits' blocks (planes at DIG_Q), or the int8 values */     \
+            for (int p_ = 0; p_ < nd; p_++)                                                                   \
                 acc[i_][p_][l_ / lpa] = dot4(acc[i_][p_][l_ / lpa], v_,                                       \
-                                                 (const int8_t *)blks[i_] + DIG_Q + 256 * p_ + 4 * (16 * cc + l_)); \
+                                             (const int8_t *)blks[i_] + (nd == 3 ? DIG_Q + 256 * p_ : 0) + 4 * (16 * cc + l_)); \
     } while (0)
         if (kind == LAYOUT_Q8) { /* signed codes + 128: unsigned for vpdpbusd (the offset terms take it back) */
             const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -775,46 +791,55 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
             const int per = per16(kind) ? 4 : 2;
             __m512 sc[4], mn[4];
             for (int j = 0; j < per; j++) tiled_unit_scales(kind, w, K, rb, b, per * cc + j, &sc[j], &mn[j]);
-            for (int i = 0; i < ni; i++) fuse_chunk(kind, sc, mn, blks[i], acc[i], cc, lpa, &s[i]);
+            for (int i = 0; i < ni; i++) fuse_chunk(kind, nd, sc, mn, blks[i], nd == 1 ? &acts[i] : NULL, b, acc[i], cc, lpa, &s[i]);
         }
     }
 }
 
 VNNI static void decode_tiled_any(int kind, const TiledSrc *w, long K, long rb, long b, Tile *t) {
 #define DECODE_TILED(k, ...) decode_tiled(k, __VA_ARGS__)
-    TILED_CONST(DECODE_TILED, kind, w, K, rb, b, t, 0, NULL, NULL);
+    TILED_CONST(DECODE_TILED, kind, w, K, rb, b, t, 0, 3, NULL, NULL, NULL);
 #undef DECODE_TILED
 }
 
 /* one_item_k for the tiled layout: decode straight into the ni items' three digit planes' dots (items
  * item .. item + ni - 1, sums at acc), each chunk's combined into the items' sums as it ends (fuse_chunk). */
-VNNI static inline ALWAYS void fused_tiled_k(const int kind, const int ni, const TiledSrc *w, long K, long rb, long b,
-                                             const uint8_t *digits, float *acc, int item) {
+VNNI static inline ALWAYS void fused_tiled_k(const int kind, const int ni, const int nd, const TiledSrc *w, long K, long rb,
+                                             long b, const uint8_t *act, float *acc, int item) {
     Tile t;
     const uint8_t *blks[FUSE_ITEMS];
+    Act acts[FUSE_ITEMS];
     __m512 s[FUSE_ITEMS];
     for (int i = 0; i < ni; i++) {
-        blks[i] = dig_block(digits, K, item + i, b);
+        if (nd == 1) acts[i] = act_at(act, K, item + i);
+        blks[i] = nd == 3 ? dig_block(act, K, item + i, b) : (const uint8_t *)(acts[i].q + 256 * b);
         s[i] = _mm512_loadu_ps(acc + 16 * i);
     }
-    decode_tiled(kind, w, K, rb, b, &t, ni, blks, s);
+    decode_tiled(kind, w, K, rb, b, &t, ni, nd, blks, acts, s);
     for (int i = 0; i < ni; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
 }
 
-VNNI static void fused_tiled(int kind, int ni, const TiledSrc *w, long K, long rb, long b, const uint8_t *digits,
+/* ni (1 or 2) items, nd = 3: digits, 1: int8 activations (kinds with an int8 kernel only). */
+VNNI static void fused_tiled(int kind, int ni, int nd, const TiledSrc *w, long K, long rb, long b, const uint8_t *act,
                              float *acc, int item) {
-#define ONE_TILED(k, ...) fused_tiled_k(k, 1, __VA_ARGS__)
-#define TWO_TILED(k, ...) fused_tiled_k(k, 2, __VA_ARGS__)
-    if (ni == 1) TILED_CONST(ONE_TILED, kind, w, K, rb, b, digits, acc, item);
-    else TILED_CONST(TWO_TILED, kind, w, K, rb, b, digits, acc, item);
+#define ONE_TILED(k, ...) fused_tiled_k(k, 1, 3, __VA_ARGS__)
+#define TWO_TILED(k, ...) fused_tiled_k(k, 2, 3, __VA_ARGS__)
+#define ONE_I8(k, ...) fused_tiled_k(k, 1, 1, __VA_ARGS__)
+#define TWO_I8(k, ...) fused_tiled_k(k, 2, 1, __VA_ARGS__)
+    if (nd == 1 && ni == 1) I8_TILED_CONST(ONE_I8, kind, w, K, rb, b, act, acc, item);
+    else if (nd == 1) I8_TILED_CONST(TWO_I8, kind, w, K, rb, b, act, acc, item);
+    else if (ni == 1) TILED_CONST(ONE_TILED, kind, w, K, rb, b, act, acc, item);
+    else TILED_CONST(TWO_TILED, kind, w, K, rb, b, act, acc, item);
 #undef ONE_TILED
 #undef TWO_TILED
+#undef ONE_I8
+#undef TWO_I8
 }
 
 
 /* tile_gemm's loop over the tiled layout (N a multiple of 16), with digits (nd = 3) or int8 activations
- * (nd = 1, act: quill_act8_quantize's; every batch through the decoded tile, whose integers and scales are
- * decode_blocks', so each row is the blocks' int8 kernel's bits): each thread's row blocks are
+ * (nd = 1, act: quill_act8_quantize's; decode_tiled's integers and scales are decode_blocks', and int8_unit
+ * the float sequence, so each row is the blocks' int8 kernel's bits): each thread's row blocks are
  * one stream, asked for ahead as tiled_ahead says, dealt (deal.h)
  * so that a thread done with its own takes the others' last ones: the whole 1B Q4_K_M model at batch 1
  * on the AMD EPYC Zen 4, in-engine A/B, 1.026x the tokens per second (3B: 1.048x), the closing barrier's
@@ -835,9 +860,9 @@ VNNI static void tiled_gemm(int kind, int nd, const TiledSrc *w, const uint8_t *
             memset(acc, 0, sizeof(float) * 16 * nc);
             for (long b = 0; b < nblk; b++) {
                 tiled_prefetch(ahead, kind, w, nblk, C, run, rb, b);
-                if (nd == 3 && nc <= FUSE_BATCH) { /* the items in pairs (an odd one alone), each straight from the codes */
+                if (nc <= FUSE_BATCH) { /* the items in pairs (an odd one alone), each straight from the codes */
                     for (int i = 0; i < nc; i += FUSE_ITEMS)
-                        fused_tiled(kind, nc - i < FUSE_ITEMS ? nc - i : FUSE_ITEMS, w, K, rb, b, act, acc + 16 * i, c0 + i);
+                        fused_tiled(kind, nc - i < FUSE_ITEMS ? nc - i : FUSE_ITEMS, nd, w, K, rb, b, act, acc + 16 * i, c0 + i);
                     continue;
                 }
                 decode_tiled_any(kind, w, K, rb, b, &t);
