@@ -300,6 +300,20 @@ def test_an_engine_on_the_vnni_tiled_layout_gives_the_blocks_logits(recipe, tmp_
 
 
 @needs_kernels
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q8_0"])
+def test_an_int8_engine_on_the_vnni_tiles_gives_the_blocks_logits_bit_for_bit(recipe, tmp_path, monkeypatch, avx512_kernels):
+    """With int8 activations the weights load tiled for VNNI too, and every row of every linear is the blocks' int8
+    kernel's bits (prefill rows and decode steps alike go through the int8 kernels): the engines' logits are
+    equal."""
+    monkeypatch.delenv("QUILL_NO_AVX512", raising=False)
+    monkeypatch.setenv("QUILL_INT8_ACTIVATIONS", "1")
+    parts, (a, b), (a_ref, b_ref) = _tiled_against_blocks(recipe, tmp_path, monkeypatch)
+    kinds = {p.kind for p in parts if isinstance(p, tiled.TiledWeight) and p.vnni}
+    assert ({"q4", "q6"} if recipe == "Q4_K_M" else {"q8"}) <= kinds, kinds
+    assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
+
+
+@needs_kernels
 def test_an_engine_on_the_avx2_digit_tiles_gives_the_blocks_logits(tmp_path, monkeypatch):
     """With the AVX2 kernels (QUILL_NO_AVX512=1, as on an AVX2-only CPU) a small Q3_K_M file's Q3_K, Q4_K and Q5_K
     weights load tiled for the AVX2 digit tiles and its Q6_K ones keep their blocks: the fused decode layers run
