@@ -175,8 +175,6 @@ def test_int8_activations_on_the_vnni_tiles_give_the_blocks_int8_bits(qtype, avx
     if not has_int8:  # the same bits as the exact options give
         with use(OPTIONS):
             assert torch.equal(_gemvs(70, x, PackedLinear(w, None, Workspace()))[0].nan_to_num(), got.nan_to_num())
-    with use(dataclasses.replace(int8, isa=256)):  # the AVX2 digit tiles have no int8 kernel
-        assert packed_int8_kind(tiled.tile_for_avx2(_weight(Q.Q4_K))) is None
 
 
 def packed_int8_kind(w):
@@ -206,8 +204,8 @@ def test_for_cpu_tiles_only_k_quants_and_q8_0_and_only_without_amx(avx512_kernel
         assert tiled.for_cpu(q4k).avx2
         for kept in (_weight(Q.Q6_K), _weight(Q.IQ4_XS), _q8_0(), q5_0):
             assert tiled.for_cpu(kept) is kept
-    with use(dataclasses.replace(OPTIONS, isa=256, int8=True)):  # the int8 kernels read the blocks on AVX2 too
-        assert tiled.for_cpu(q4k) is q4k
+    with use(dataclasses.replace(OPTIONS, isa=256, int8=True)):  # the AVX2 digit tiles have an int8 kernel too
+        assert tiled.for_cpu(q4k).avx2 and tiled.for_cpu(_weight(Q.Q6_K)).__class__ is BlockWeight
 
 
 AVX2 = KernelOptions(isa=256, amx=False, threads=2)
@@ -252,6 +250,36 @@ def test_avx2_digit_tiles_give_the_vnni_tiles_bits(qtype, avx512_kernels):
             lin.gemv(x[row:row + 1].clone(), alone)
             lin.gemv(x[:batch].contiguous(), batched)
             assert torch.equal(alone[0], batched[row]), batch
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q3_K], ids=lambda t: t.name)
+def test_int8_activations_on_the_avx2_digit_tiles_give_the_vnni_tiles_int8_bits(qtype, avx512_kernels):
+    """With int8 activations the AVX2 digit tiles run one plane of vpmaddubsw on them (quill_gemv_tiled_i8_avx2) and
+    the VNNI tiles' int8 float sequence (int8_unit8), so Q4_K and Q5_K give the VNNI tiles' int8 bits, and the
+    AVX2 blocks' int8 kernel's, at every batch, each row the same alone and in a batch; Q3_K has no int8 kernel
+    and keeps the exact digits."""
+    blocks = _weight(qtype)
+    avx2_int8, vnni_int8 = dataclasses.replace(AVX2, int8=True), dataclasses.replace(OPTIONS, int8=True)
+    with use(avx2_int8):
+        w = tiled.for_cpu(blocks)
+        assert isinstance(w, tiled.TiledWeight) and w.avx2
+        assert (packed_int8_kind(w) is not None) == (qtype != Q.Q3_K)
+    with use(vnni_int8):
+        vnni = tiled.for_cpu(blocks)
+    lin, vnni_lin, blocks_lin = (PackedLinear(v, None, Workspace()) for v in (w, vnni, blocks))
+    x = _inputs(blocks.cols, 6)
+    for batch in (1, 2, 3, 5, 16, 17, 70):
+        with use(avx2_int8):
+            got, on_blocks = _gemvs(batch, x, lin, blocks_lin)
+        with use(vnni_int8):
+            want = _gemvs(batch, x, vnni_lin)[0]
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), batch
+        if qtype != Q.Q3_K:
+            assert torch.equal(got.nan_to_num(), on_blocks.nan_to_num()), batch
+    if qtype != Q.Q3_K:  # (a prefill on Q3_K's AVX2 tiles dequantizes for BLAS, as with exact activations)
+        with use(avx2_int8):
+            _same_rows_everywhere(lin, w, blocks, x)
 
 
 def _tiled_against_blocks(recipe: str, tmp_path, monkeypatch):
@@ -310,6 +338,18 @@ def test_an_int8_engine_on_the_vnni_tiles_gives_the_blocks_logits_bit_for_bit(re
     parts, (a, b), (a_ref, b_ref) = _tiled_against_blocks(recipe, tmp_path, monkeypatch)
     kinds = {p.kind for p in parts if isinstance(p, tiled.TiledWeight) and p.vnni}
     assert ({"q4", "q6"} if recipe == "Q4_K_M" else {"q8"}) <= kinds, kinds
+    assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
+
+
+@needs_kernels
+def test_an_int8_engine_on_the_avx2_digit_tiles_gives_the_blocks_logits_bit_for_bit(tmp_path, monkeypatch):
+    """With the AVX2 kernels and int8 activations a small Q4_K_M file's Q4_K weights load tiled for the AVX2 digit
+    tiles and run their int8 kernel (the blocks' int8 bits), its Q6_K ones keep their blocks: prefill and decode
+    logits equal the blocks engine's."""
+    monkeypatch.setenv("QUILL_NO_AVX512", "1")
+    monkeypatch.setenv("QUILL_INT8_ACTIVATIONS", "1")
+    parts, (a, b), (a_ref, b_ref) = _tiled_against_blocks("Q4_K_M", tmp_path, monkeypatch)
+    assert any(isinstance(p, tiled.TiledWeight) and p.avx2 and p.kind == "q4" for p in parts)
     assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
 
 

@@ -141,11 +141,12 @@ AVX2_KINDS = {"q4", "q5", "q3", "q2"}  # the digit tiles' AVX2 kernel (csrc/tile
 
 def avx2_available(opts: options.KernelOptions | None = None) -> bool:
     """Whether the K-quant weights whose codes stay below 32 (AVX2_KINDS) take the tiled layout for the digit
-    tiles' AVX2 kernel: the options ask for exact activations and the VNNI tiles do not run (an AVX2-only CPU,
-    or an engine with the AVX2 kernels forced)."""
+    tiles' AVX2 kernel: the VNNI tiles do not run (an AVX2-only CPU, or an engine with the AVX2 kernels forced).
+    With int8 activations Q4_K and Q5_K run those tiles' int8 kernel (the VNNI tiles' int8 bits), Q3_K and Q2_K
+    their exact digits."""
     lib = native.load()
     opts = opts or options.current()
-    return lib is not None and not opts.int8 and not vnni_available(opts)
+    return lib is not None and not vnni_available(opts)
 
 
 def vnni_available(opts: options.KernelOptions | None = None) -> bool:

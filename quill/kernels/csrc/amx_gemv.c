@@ -55,6 +55,8 @@ int quill_gemv_kq_tiled(int, const uint8_t *, const int8_t *, const int8_t *, co
 long quill_gemv_kq_scratch_bytes(int B, int K);
 int quill_gemv_tiled_i8(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
                         const float *, uint8_t *, float *, int, int, int, int, int); /* kquant_i8.c */
+int quill_gemv_tiled_i8_avx2(int, const uint8_t *, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
+                             const float *, uint8_t *, float *, int, int, int, int, int); /* tiled_avx2.c */
 int quill_hw_vnni(void);
 void quill_amx_gemv(int kind, const void *codes, const void *scale, const void *mins, const void *scale_d,
                     const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
@@ -82,10 +84,11 @@ void quill_tiled_gemv(int kind, const void *codes, const void *scale, const void
 }
 
 /* 1 where a tiled weight of this kind has a kernel for int8 activations (the opt-in, kquant_i8.c's header): one
- * tiled for the VNNI tiles on a CPU with VNNI, of a kind whose blocks have one (not Q3_K, Q2_K); not the AMX
- * tiles, not the AVX2 digit tiles. The one definition, for tiled.py (packed.int8_kind) and decode_layer.c. */
+ * tiled for the digit tiles, of a kind whose blocks have one (not Q3_K, Q2_K): the VNNI tiles' on a CPU with
+ * VNNI, or (KIND_AVX2: Q4_K, Q5_K) the AVX2 tiles'; not the AMX tiles. The one definition, for tiled.py
+ * (packed.int8_kind) and decode_layer.c. */
 int quill_tiled_i8_supported(int kind) {
-    return (kind & KIND_VNNI) && !(kind & (KIND_AVX2 | KIND_Q3 | KIND_Q2)) && quill_hw_vnni();
+    return (kind & KIND_VNNI) && !(kind & (KIND_Q3 | KIND_Q2)) && ((kind & KIND_AVX2) || quill_hw_vnni());
 }
 
 /* quill_tiled_gemv with x rounded to int8 per 32 inputs (quill_gemv_i8's activations; scratch: quill_act8_bytes(B,
@@ -95,7 +98,8 @@ int quill_tiled_gemv_i8(int kind, const void *codes, const void *scale, const vo
                         const void *mins_d, const float *x, float *out, int N, int K, int B, int ld, void *scratch,
                         int threads) {
     if (!quill_tiled_i8_supported(kind)) return -1;
-    return quill_gemv_tiled_i8(block_kind(kind), codes, scale, mins, scale_d, mins_d, x, scratch, out, N, K, B, ld, threads);
+    return (kind & KIND_AVX2 ? quill_gemv_tiled_i8_avx2 : quill_gemv_tiled_i8)(block_kind(kind), codes, scale, mins, scale_d,
+                                                                              mins_d, x, scratch, out, N, K, B, ld, threads);
 }
 
 long quill_tiled_scratch_bytes(int kind, int B, int K) {

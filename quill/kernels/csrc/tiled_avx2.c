@@ -2,7 +2,9 @@
  * tiled layout (tiled.py, amx_gemv.c's header) of Q4_K, Q5_K, Q3_K and Q2_K weights, met by x's three
  * int8 digit planes (digits.h, tiled_digits.h) in the integer dots of kquant_i8.c's VNNI tiles, computed
  * here with vpmaddubsw, and the same float sequence after them. So a tiled weight gives the VNNI tiles'
- * outputs bit for bit on either CPU kind, and each row the same bits alone and in any batch.
+ * outputs bit for bit on either CPU kind, and each row the same bits alone and in any batch. With int8 activations
+ * (the opt-in) Q4_K and Q5_K run the same loops on one plane of them (quill_gemv_tiled_i8_avx2), the VNNI tiles'
+ * int8 bits.
  *
  * A line of the layout is 64 bytes: 16 rows' codes of four columns, row r in dword r. Here it is two halves,
  * rows 0-7 and rows 8-15, one 256-bit register each, lane r holding row 8h + r's four codes. vpmaddubsw
@@ -32,6 +34,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads); /* kquant_i8.c */
 
 #define ITEMS8 2   /* items a pass dots at once from each decoded line: 2 x 3 planes' int16 runs and int32 dots */
 #define DCHUNK8 64 /* items per pass over the weights (their digit planes stay in L2, as the VNNI tiles' DCHUNK) */
@@ -187,6 +191,17 @@ static inline ALWAYS __m256 digits_unit8(__m256 sc, __m256 mn, const uint8_t *bl
     return s;
 }
 
+/* s after unit u of super-block b of an int8 item (a: its activations) whose integer dot is D: kquant_i8.c's
+ * int8_unit on eight lanes, for the kinds here (no code offsets); with x16 (Q4_K's odd groups, whose codes the
+ * VNNI tiles hold as 16 q and their scale as a sixteenth) the scale times dx is taken 16 times, exactly, so the
+ * product with the plain dot is theirs. The mins are added as the layout keeps them (-dmin m): their sum. */
+static inline ALWAYS __m256 int8_unit8(__m256 sc, __m256 mn, const Act *a, long b, int u, int mins, int x16, __m256i D, __m256 s) {
+    __m256 m = _mm256_mul_ps(sc, _mm256_set1_ps(a->dx[8 * b + u]));
+    if (x16) m = _mm256_mul_ps(m, _mm256_set1_ps(16.f));
+    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), m, s);
+    return mins ? _mm256_fmadd_ps(mn, _mm256_set1_ps(a->xs[8 * b + u]), s) : s;
+}
+
 /* v as it is at this point, in a register: an empty asm that GCC must assume reads and changes it. Without it
  * GCC reassociates each run's chain of int16 additions into a tree, computes every product of a unit first and
  * keeps them on the stack (AVX2 has 16 registers): the Q4_K tiles took 675 cycles per 16 x 256 super-block at
@@ -203,8 +218,8 @@ static inline ALWAYS __m256i bcast4_8(const uint8_t *p) {
 /* The integer dots of unit j (lines ul j .. ul j + ul - 1) of the run at src (chunk cc) with ni items' three planes
  * (blks[i]: item i's digit block), for halves h0 .. h0 + nh - 1: D[i][p][h] from the unit's offset term (off_u,
  * or zero), each line decoded once and met by every item and plane; int16 runs of R lines, widened at each end. */
-static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nh, const int h0, const uint8_t *src, int cc,
-                                     int j, int u, const uint8_t *const *blks, __m256i D[][3][2]) {
+static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nd, const int nh, const int h0, const uint8_t *src,
+                                     int cc, int j, int u, const uint8_t *const *blks, __m256i D[][3][2]) {
     const int q6 = per16(kind), ul = q6 ? 4 : 8, R = run_lines(kind), offset = code_offset(kind);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i r16[ITEMS8][3][2];
@@ -214,8 +229,8 @@ static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nh,
         __m256i c[2];
         for (int h = 0; h < nh; h++) c[h] = line_codes(kind, src, l, h0 + h);
         for (int i = 0; i < ni; i++)
-            for (int p = 0; p < 3; p++) {
-                const __m256i x = bcast4_8(blks[i] + DIG_Q + 256 * p + 4 * (16 * cc + l));
+            for (int p = 0; p < nd; p++) { /* blks: digit blocks (planes at DIG_Q), or one plane of int8 values */
+                const __m256i x = bcast4_8(blks[i] + (nd == 3 ? DIG_Q + 256 * p : 0) + 4 * (16 * cc + l));
                 for (int h = 0; h < nh; h++) {
                     const __m256i prod = _mm256_maddubs_epi16(c[h], x);
                     r16[i][p][h] = k % R ? _mm256_add_epi16(r16[i][p][h], prod) : prod;
@@ -223,7 +238,7 @@ static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nh,
                     if (k % R == R - 1) { /* the run's end: its sum joins the dot, which the first run starts from the
                                            * unit's offset term (so nothing but the runs is live before it) */
                         const __m256i from = k >= R ? D[i][p][h]
-                                           : offset ? _mm256_set1_epi32(((const int32_t *)(blks[i] + DIG_FROM))[3 * u + p])
+                                           : offset && nd == 3 ? _mm256_set1_epi32(((const int32_t *)(blks[i] + DIG_FROM))[3 * u + p])
                                                     : _mm256_setzero_si256();
                         D[i][p][h] = _mm256_add_epi32(from, _mm256_madd_epi16(r16[i][p][h], ones));
                     }
@@ -237,8 +252,8 @@ static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nh,
  * dots fit the 16 registers), and so do two for Q4_K and Q5_K (each broadcast serving two halves: Q4_K at batch
  * 16, one thread in L2, 0.78x the time of a half at a time); two items of Q3_K or Q2_K take one half at a time
  * (both at once took 1.46x the time there). */
-static inline ALWAYS void tiled_block8(const int kind, const int ni, const TiledSrc *w, long K, long rb, long b,
-                                       const uint8_t *const *blks, __m256 s[][2]) {
+static inline ALWAYS void tiled_block8(const int kind, const int ni, const int nd, const TiledSrc *w, long K, long rb, long b,
+                                       const uint8_t *const *blks, const Act *acts, __m256 s[][2]) {
     const long C = K / 64, run = tiled_run_bytes(kind);
     const int q6 = per16(kind), units = q6 ? 4 : 2, mins = kmins(kind), nh = ni == 1 || !q6 ? 2 : 1;
     const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
@@ -257,11 +272,15 @@ static inline ALWAYS void tiled_block8(const int kind, const int ni, const Tiled
 #pragma GCC unroll 2
             for (int h0 = 0; h0 < 2; h0 += nh) {
                 __m256i D[ITEMS8][3][2];
-                unit_dots8(kind, ni, nh, h0, src, cc, j, u, blks, D);
+                unit_dots8(kind, ni, nd, nh, h0, src, cc, j, u, blks, D);
                 for (int h = 0; h < nh; h++) {
                     __m256 sc, mn;
                     unit_scales8(kind, w, K, rb, b, u, h0 + h, f[h0 + h], &sc, &mn);
                     for (int i = 0; i < ni; i++) {
+                        if (nd == 1) {
+                            s[i][h0 + h] = int8_unit8(sc, mn, &acts[i], b, u, mins, kind == 0 && j, D[i][0][h], s[i][h0 + h]);
+                            continue;
+                        }
                         const __m256i Dh[3] = {D[i][0][h], D[i][1][h], D[i][2][h]};
                         s[i][h0 + h] = digits_unit8(sc, mn, blks[i], u, q6, mins, kind == 0 && j, Dh, s[i][h0 + h]);
                     }
@@ -270,15 +289,20 @@ static inline ALWAYS void tiled_block8(const int kind, const int ni, const Tiled
         }
 }
 
-static void tiled_pass8(int kind, int ni, const TiledSrc *w, long K, long rb, long b, const uint8_t *digits, float *acc, int item) {
+static void tiled_pass8(int kind, int ni, int nd, const TiledSrc *w, long K, long rb, long b, const uint8_t *act, float *acc,
+                        int item) {
     const uint8_t *blks[ITEMS8];
+    Act acts[ITEMS8];
     __m256 s[ITEMS8][2];
     for (int i = 0; i < ni; i++) {
-        blks[i] = dig_block(digits, K, item + i, b);
+        if (nd == 1) acts[i] = act_at(act, K, item + i);
+        blks[i] = nd == 3 ? dig_block(act, K, item + i, b) : (const uint8_t *)(acts[i].q + 256 * b);
         for (int h = 0; h < 2; h++) s[i][h] = _mm256_loadu_ps(acc + 16 * i + 8 * h);
     }
-#define ONE8(k, ...) tiled_block8(k, 1, __VA_ARGS__)
-#define TWO8(k, ...) tiled_block8(k, 2, __VA_ARGS__)
+#define ONE8(k, ...) tiled_block8(k, 1, 3, __VA_ARGS__)
+#define TWO8(k, ...) tiled_block8(k, 2, 3, __VA_ARGS__)
+#define ONE8_I8(k, ...) tiled_block8(k, 1, 1, __VA_ARGS__)
+#define TWO8_I8(k, ...) tiled_block8(k, 2, 1, __VA_ARGS__)
 #define AVX2_CONST(F, ...)                                                                           \
     do {                                                                                             \
         if (kind == 0) F(0, __VA_ARGS__);                                                            \
@@ -286,10 +310,20 @@ static void tiled_pass8(int kind, int ni, const TiledSrc *w, long K, long rb, lo
         else if (kind == KQ_Q3K) F(KQ_Q3K, __VA_ARGS__);                                             \
         else F(KQ_Q2K, __VA_ARGS__);                                                                 \
     } while (0)
-    if (ni == 1) AVX2_CONST(ONE8, w, K, rb, b, blks, s);
-    else AVX2_CONST(TWO8, w, K, rb, b, blks, s);
+#define I8_CONST(F, ...) /* the kinds with an int8 kernel: Q4_K, Q5_K */                          \
+    do {                                                                                             \
+        if (kind == 0) F(0, __VA_ARGS__);                                                            \
+        else F(5, __VA_ARGS__);                                                                      \
+    } while (0)
+    if (nd == 1 && ni == 1) I8_CONST(ONE8_I8, w, K, rb, b, blks, acts, s);
+    else if (nd == 1) I8_CONST(TWO8_I8, w, K, rb, b, blks, acts, s);
+    else if (ni == 1) AVX2_CONST(ONE8, w, K, rb, b, blks, acts, s);
+    else AVX2_CONST(TWO8, w, K, rb, b, blks, acts, s);
 #undef ONE8
 #undef TWO8
+#undef ONE8_I8
+#undef TWO8_I8
+#undef I8_CONST
 #undef AVX2_CONST
     for (int i = 0; i < ni; i++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc + 16 * i + 8 * h, s[i][h]);
@@ -297,7 +331,7 @@ static void tiled_pass8(int kind, int ni, const TiledSrc *w, long K, long rb, lo
 
 /* The VNNI tiles' tiled_gemm on AVX2: items in chunks of DCHUNK8; row blocks dealt to the threads (deal.h), each
  * asked for ahead as tiled_ahead says; each super-block met by the chunk's items ITEMS8 at a time. */
-static void tiled_gemm8(int kind, const TiledSrc *w, const uint8_t *digits, long K, int N, int B, float *out, int ld,
+static void tiled_gemm8(int kind, int nd, const TiledSrc *w, const uint8_t *act, long K, int N, int B, float *out, int ld,
                         int threads) {
     const long nblk = K / 256, run = tiled_run_bytes(kind), C = K / 64;
     const int RB = N / 16;
@@ -313,7 +347,7 @@ static void tiled_gemm8(int kind, const TiledSrc *w, const uint8_t *digits, long
             for (long b = 0; b < nblk; b++) {
                 tiled_prefetch(ahead, kind, w, nblk, C, run, rb, b);
                 for (int i = 0; i < nc; i += ITEMS8)
-                    tiled_pass8(kind, nc - i < ITEMS8 ? nc - i : ITEMS8, w, K, rb, b, digits, acc + 16 * i, c0 + i);
+                    tiled_pass8(kind, nc - i < ITEMS8 ? nc - i : ITEMS8, nd, w, K, rb, b, act, acc + 16 * i, c0 + i);
             }
             for (int i = 0; i < nc; i++)
                 for (int h = 0; h < 2; h++)
@@ -333,6 +367,20 @@ int quill_gemv_tiled_exact_avx2(int kind, const uint8_t *codes, const int8_t *sc
     if ((kind == 0 || kind == 5) && !(mins && mins_d)) return -1;
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
     split_digits8(kind, x, xs, digits, B, K, threads);
-    tiled_gemm8(kind, &w, digits, K, N, B, out, ld, threads);
+    tiled_gemm8(kind, 3, &w, digits, K, N, B, out, ld, threads);
+    return 0;
+}
+
+/* kquant_i8.c's quill_gemv_tiled_i8 on AVX2, for kinds 0 Q4_K and 5 Q5_K in the tiled layout (one plane of int8
+ * activations, quill_act8_quantize's, where the digits take three; int8_unit8 the VNNI tiles' int8 float
+ * sequence, so the same outputs bit for bit). act: scratch of quill_act8_bytes(B, K). Returns 0, or -1 (nothing
+ * written) for another kind or shape. */
+int quill_gemv_tiled_i8_avx2(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
+                             const uint16_t *scale_d, const uint16_t *mins_d, const float *x, uint8_t *act, float *out,
+                             int N, int K, int B, int ld, int threads) {
+    if (!(kind == 0 || kind == 5) || K % 256 || N % 16 || !(mins && mins_d)) return -1;
+    const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
+    quill_act8_quantize(x, act, B, K, threads);
+    tiled_gemm8(kind, 1, &w, act, K, N, B, out, ld, threads);
     return 0;
 }
