@@ -338,7 +338,7 @@ def int8_kind(w, lib) -> int | None:
     from quill.kernels.kquant import BlockWeight
     from quill.kernels.tiled import TiledWeight
 
-    if isinstance(w, TiledWeight):  # the VNNI tiles' int8 kernel (amx_gemv.c decides which tiled kinds have one)
+    if isinstance(w, TiledWeight):  # the digit tiles' int8 kernels (amx_gemv.c decides which tiled kinds have one)
         return w.native_kind if lib.quill_tiled_i8_supported(w.native_kind) else None
     if isinstance(w, BlockWeight):
         kind = w.kind

@@ -708,10 +708,10 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
         const __m512i v_ = (v);                                                                               \
         if (!ni) t->c[16 * cc + (line)] = v_;                                                                 \
         const int l_ = (line); /* (before the loops: a caller's line index may be called i) */              \
-        for (int i_ = 0; i_ < ni; i_++) /* blks: digits' blocks (planes at DIG_Q), or the int8 values */     \
+        for (int i_ = 0; i_ < ni; i_++) /* blks: item_inputs' */                                          \
             for (int p_ = 0; p_ < nd; p_++)                                                                   \
                 acc[i_][p_][l_ / lpa] = dot4(acc[i_][p_][l_ / lpa], v_,                                       \
-                                             (const int8_t *)blks[i_] + (nd == 3 ? DIG_Q + 256 * p_ : 0) + 4 * (16 * cc + l_)); \
+                                             (const int8_t *)item_plane(blks[i_], nd, p_) + 4 * (16 * cc + l_));   \
     } while (0)
         if (kind == LAYOUT_Q8) { /* signed codes + 128: unsigned for vpdpbusd (the offset terms take it back) */
             const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -811,8 +811,7 @@ VNNI static inline ALWAYS void fused_tiled_k(const int kind, const int ni, const
     Act acts[FUSE_ITEMS];
     __m512 s[FUSE_ITEMS];
     for (int i = 0; i < ni; i++) {
-        if (nd == 1) acts[i] = act_at(act, K, item + i);
-        blks[i] = nd == 3 ? dig_block(act, K, item + i, b) : (const uint8_t *)(acts[i].q + 256 * b);
+        blks[i] = item_inputs(act, nd, K, item + i, b, &acts[i]);
         s[i] = _mm512_loadu_ps(acc + 16 * i);
     }
     decode_tiled(kind, w, K, rb, b, &t, ni, nd, blks, acts, s);
@@ -883,13 +882,10 @@ VNNI static void tiled_gemm(int kind, int nd, const TiledSrc *w, const uint8_t *
 int quill_gemv_tiled_exact(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
                            const uint16_t *scale_d, const uint16_t *mins_d, const float *x, const float *xs,
                            uint8_t *digits, float *out, int N, int K, int B, int ld, int threads) {
-    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8 || kind == KQ_Q3K || kind == KQ_Q2K) || K % 256 ||
-        N % 16)
-        return -1;
-    if (kind == KQ_Q2K && !(scale_d && mins_d)) return -1;
-    if ((kind == 0 || kind == 5) && !(mins && mins_d)) return -1;
-    if (kind == LAYOUT_Q8 && mins) return -1; /* Q8_0's tiles: no mins */
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
+    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8 || kind == KQ_Q3K || kind == KQ_Q2K) ||
+        !tiled_src_fits(kind, &w, K, N))
+        return -1;
     split_digits(kind, x, xs, digits, B, K, threads);
     tiled_gemm(kind, 3, &w, digits, K, N, B, out, ld, threads);
     return 0;
@@ -902,10 +898,8 @@ int quill_gemv_tiled_exact(int kind, const uint8_t *codes, const int8_t *scale, 
 int quill_gemv_tiled_i8(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
                         const uint16_t *scale_d, const uint16_t *mins_d, const float *x, uint8_t *act, float *out,
                         int N, int K, int B, int ld, int threads) {
-    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8) || K % 256 || N % 16) return -1;
-    if ((kind == 0 || kind == 5) && !(mins && mins_d)) return -1;
-    if (kind == LAYOUT_Q8 && mins) return -1;
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
+    if (!quill_hw_vnni() || !(tile_block_kind(kind) || kind == LAYOUT_Q8) || !tiled_src_fits(kind, &w, K, N)) return -1;
     quill_act8_quantize(x, act, B, K, threads);
     tiled_gemm(kind, 1, &w, act, K, N, B, out, ld, threads);
     return 0;

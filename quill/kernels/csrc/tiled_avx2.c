@@ -229,8 +229,8 @@ static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nd,
         __m256i c[2];
         for (int h = 0; h < nh; h++) c[h] = line_codes(kind, src, l, h0 + h);
         for (int i = 0; i < ni; i++)
-            for (int p = 0; p < nd; p++) { /* blks: digit blocks (planes at DIG_Q), or one plane of int8 values */
-                const __m256i x = bcast4_8(blks[i] + (nd == 3 ? DIG_Q + 256 * p : 0) + 4 * (16 * cc + l));
+            for (int p = 0; p < nd; p++) { /* blks: item_inputs' */
+                const __m256i x = bcast4_8(item_plane(blks[i], nd, p) + 4 * (16 * cc + l));
                 for (int h = 0; h < nh; h++) {
                     const __m256i prod = _mm256_maddubs_epi16(c[h], x);
                     r16[i][p][h] = k % R ? _mm256_add_epi16(r16[i][p][h], prod) : prod;
@@ -295,8 +295,7 @@ static void tiled_pass8(int kind, int ni, int nd, const TiledSrc *w, long K, lon
     Act acts[ITEMS8];
     __m256 s[ITEMS8][2];
     for (int i = 0; i < ni; i++) {
-        if (nd == 1) acts[i] = act_at(act, K, item + i);
-        blks[i] = nd == 3 ? dig_block(act, K, item + i, b) : (const uint8_t *)(acts[i].q + 256 * b);
+        blks[i] = item_inputs(act, nd, K, item + i, b, &acts[i]);
         for (int h = 0; h < 2; h++) s[i][h] = _mm256_loadu_ps(acc + 16 * i + 8 * h);
     }
 #define ONE8(k, ...) tiled_block8(k, 1, 3, __VA_ARGS__)
@@ -362,10 +361,8 @@ static void tiled_gemm8(int kind, int nd, const TiledSrc *w, const uint8_t *act,
 int quill_gemv_tiled_exact_avx2(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
                                 const uint16_t *scale_d, const uint16_t *mins_d, const float *x, const float *xs,
                                 uint8_t *digits, float *out, int N, int K, int B, int ld, int threads) {
-    if (!avx2_tiled_kind(kind) || K % 256 || N % 16) return -1;
-    if (kind == KQ_Q2K && !(scale_d && mins_d)) return -1;
-    if ((kind == 0 || kind == 5) && !(mins && mins_d)) return -1;
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
+    if (!avx2_tiled_kind(kind) || !tiled_src_fits(kind, &w, K, N)) return -1;
     split_digits8(kind, x, xs, digits, B, K, threads);
     tiled_gemm8(kind, 3, &w, digits, K, N, B, out, ld, threads);
     return 0;
@@ -378,8 +375,8 @@ int quill_gemv_tiled_exact_avx2(int kind, const uint8_t *codes, const int8_t *sc
 int quill_gemv_tiled_i8_avx2(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
                              const uint16_t *scale_d, const uint16_t *mins_d, const float *x, uint8_t *act, float *out,
                              int N, int K, int B, int ld, int threads) {
-    if (!(kind == 0 || kind == 5) || K % 256 || N % 16 || !(mins && mins_d)) return -1;
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
+    if (!(kind == 0 || kind == 5) || !tiled_src_fits(kind, &w, K, N)) return -1;
     quill_act8_quantize(x, act, B, K, threads);
     tiled_gemm8(kind, 1, &w, act, K, N, B, out, ld, threads);
     return 0;

@@ -60,6 +60,30 @@ typedef struct {
     const uint16_t *scale_d, *mins_d;
 } TiledSrc;
 
+/* 1 where a tiled weight of block kind `kind` (one of the tiled kernels') fits them: K a multiple of 256, N of
+ * 16, and the scale streams the kind needs (Q4_K, Q5_K: mins and their factors; Q2_K: both factors; Q8_0: no
+ * mins). The one check for every tiled entry (kquant_i8.c's, tiled_avx2.c's), each of which adds its kinds. */
+static inline int tiled_src_fits(int kind, const TiledSrc *w, long K, int N) {
+    if (K % 256 || N % 16) return 0;
+    if (kind == KQ_Q2K && !(w->scale_d && w->mins_d)) return 0;
+    if ((kind == 0 || kind == 5) && !(w->mins && w->mins_d)) return 0;
+    return !(kind == LAYOUT_Q8 && w->mins);
+}
+
+/* Item `item`'s inputs for super-block b: with digits (nd = 3, act: digit buffers) its digit block, whose plane
+ * p starts at item_plane's; with int8 activations (nd = 1, act: quill_act8_quantize's) its 256 values, and *a
+ * its Act (the scales and sums the float sequence reads). */
+static inline const uint8_t *item_inputs(const uint8_t *act, int nd, long K, int item, long b, Act *a) {
+    if (nd == 3) return dig_block(act, K, item, b);
+    *a = act_at(act, K, item);
+    return (const uint8_t *)(a->q + 256 * b);
+}
+
+/* Plane p of an item's inputs (item_inputs): a digit block's plane at DIG_Q, or the int8 values themselves. */
+static inline const uint8_t *item_plane(const uint8_t *blk, int nd, int p) {
+    return nd == 3 ? blk + DIG_Q + 256 * p : blk;
+}
+
 /* How a pass over the tiled layout asks for its weights ahead (each stream: the codes, and the scale
  * streams apart from them). A fact about the CPU and the pass, probed once; the outputs are the same
  * bits whichever form runs.
