@@ -388,16 +388,86 @@ VNNI static inline ALWAYS __m512 int8_unit(__m512 sc, const __m512 *mn, const Ac
     return has_mins && !q6 ? with_min(*mn, minus, a->xs[8 * b + u], s) : s;
 }
 
+/* Unit u's (Q6_K: 16-chunk; the others: group) 16 scales *sc and mins *mn (Q4_K and Q5_K; the others: zero) of
+ * super-block b of row block rb, as decode_blocks makes them. A fused pass takes each chunk's as it ends, in
+ * registers: filling the tile's and reading them back took the batch-1 Q4_K tiles 1.1x the time (Zen 4). */
+VNNI static inline ALWAYS void tiled_unit_scales(const int kind, const TiledSrc *w, long K, long rb, long b, int u,
+                                                 __m512 *sc, __m512 *mn) {
+    *mn = _mm512_setzero_ps();
+    if (kind == KQ_Q2K) { /* the file's scale bytes sc | m << 4: d sc, and -(-dmin m) as Q4_K's below */
+        const long g = rb * (K / 16) + 16 * b + u;
+        *sc = kscale_nibble(w->scale, w->scale_d, g, 4, 0);
+        *mn = _mm512_xor_ps(kscale_nibble(w->scale, w->mins_d, g, 4, 1), _mm512_set1_ps(-0.0f));
+    } else if (per16(kind)) {
+        *sc = kscale_group(w->scale, w->scale_d, rb * (K / 16) + 16 * b + u, 4);
+    } else if (kind == LAYOUT_Q8) { /* Q8_0: the file's fp16 scale per 32 weights, as they are */
+        *sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + (rb * (K / 32) + 8 * b + u) * 16)));
+    } else {
+        const long G = K / 32;
+        *sc = kscale_group(w->scale, w->scale_d, rb * G + 8 * b + u, 3);
+        if (kind == 0 && u % 2) *sc = _mm512_mul_ps(*sc, _mm512_set1_ps(0.0625f)); /* codes 16 q: below */
+        if (kind == 0 || kind == 5) /* -(-dmin * m): dmin * m, as decode_blocks */
+            *mn = _mm512_xor_ps(kscale_group(w->mins, w->mins_d, rb * G + 8 * b + u, 3), _mm512_set1_ps(-0.0f));
+    }
+}
+
+/* Line l (0..15) of the tiled run at src (one 64-column chunk of 16 rows): its 16 lanes' four codes each, as the
+ * tiles take them. The one decode of the tiled layout, for decode_tiled (every line of a chunk, unrolled) and
+ * tile_items' fly (a unit's lines as the items meet them). Every shift is 16-bit, and none carries a bit across a byte into the
+ * bits kept. */
+VNNI static inline ALWAYS __m512i tiled_line(const int kind, const uint8_t *src, const int l) {
+    const __m512i n4 = _mm512_set1_epi8(15);
+    if (kind == LAYOUT_Q8) /* signed codes + 128: unsigned for vpdpbusd (the offset terms take it back) */
+        return _mm512_xor_si512(_mm512_loadu_si512(src + 64 * l), _mm512_set1_epi8((char)0x80));
+    if (kind == 0 || kind == 4) { /* 512 bytes: line l's codes are the low nibbles of bytes 64 l, line 8 + l's the high */
+        const __m512i v = _mm512_loadu_si512(src + 64 * (l % 8));
+        if (kind == 0) /* the high nibbles in place, 16 q, with the odd groups' scales times 1/16 (tiled_unit_scales, as
+                        * decode_blocks): one AND instead of a shift and an AND, and every product and sum the same
+                        * float (16 D converts exactly where D does, powers of two) */
+            return l < 8 ? _mm512_and_si512(v, n4) : _mm512_andnot_si512(n4, v);
+        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
+        return _mm512_shuffle_epi8(table, _mm512_and_si512(l < 8 ? v : _mm512_srli_epi16(v, 4), n4)); /* IQ4_XS: value + 128 */
+    }
+    if (kind == KQ_Q2K) { /* codes 0..3: line l's are bits 2 (l / 4) .. of the plane's 64 bytes l % 4 */
+        const __m512i v = _mm512_loadu_si512(src + 64 * (l % 4));
+        return _mm512_and_si512(l / 4 ? _mm512_srli_epi16(v, 2 * (l / 4)) : v, _mm512_set1_epi8(3));
+    }
+    if (kind == KQ_Q3K) { /* codes 0..7: the low 2 bits as Q2_K's, the top bit bit l / 2 of the top plane's 64 bytes l % 2
+                           * (tiled.py's _tiles), shifted into place and masked there; one vpternlogd joins them */
+        const __m512i v = _mm512_loadu_si512(src + 64 * (l % 4)), h = _mm512_loadu_si512(src + 256 + 64 * (l % 2));
+        const int at = l / 2, k = l / 4;
+        const __m512i top = _mm512_and_si512(at < 2 ? _mm512_slli_epi16(h, 2 - at) : at > 2 ? _mm512_srli_epi16(h, at - 2) : h,
+                                             _mm512_set1_epi8(4));
+        return _mm512_ternarylogic_epi32(_mm512_set1_epi8(3), k ? _mm512_srli_epi16(v, 2 * k) : v, top, 0xea); /* (lo & 3) | top */
+    }
+    /* Q5_K (w = 1), Q6_K (w = 2): the nibbles as Q4_K's, then a plane of the codes' top w bits, bits w k .. of its byte i
+     * for line (span k + i) / 64. Those bits are shifted straight to bit 4 of each byte and masked there, and one
+     * vpternlogd takes the nibble and adds them: three operations a line (four for the high nibbles) where masking the
+     * bits at 0 and shifting them up took five or six (Zen 4, one thread, 256 x 2048 in L2: batch 1 0.96x the time,
+     * Q6_K and Q5_K). Q6_K's codes are q - 32 + 32: the codes 0..63 its offset terms expect. */
+    const int w = kind == 5 ? 1 : 2, parts = 8 / w, span = 1024 / parts, lines = span / 64;
+    const int k = l / lines, i = 64 * (l % lines), at = w * k;
+    const __m512i v = _mm512_loadu_si512(src + (span * k + i) % 512), h = _mm512_loadu_si512(src + 512 + i);
+    const __m512i tops = _mm512_set1_epi8((char)(((1 << w) - 1) << 4)); /* the top bits' place in a code */
+    const __m512i top = _mm512_and_si512(at < 4 ? _mm512_slli_epi16(h, 4 - at) : at > 4 ? _mm512_srli_epi16(h, at - 4) : h, tops);
+    return _mm512_ternarylogic_epi32(n4, k < parts / 2 ? v : _mm512_srli_epi16(v, 4), top, 0xea); /* (nib & 15) | top */
+}
+
 /* Items [i0, i0 + nb) meet the decoded tile of super-block / stretch b (ng groups): acc[i] (16 rows of
  * item i0 + i) += its contribution, in the float sequence the headers state: nd = 1, act holds rounded
  * int8 activations (Act); nd = 3, act holds digit buffers (DIG_*, with the mins' sums of x). Per group
  * (Q6_K: per 16-chunk) in order: one FMA of the scaled dot, then, where the format has them, one of the
- * min. With fz (nb = 1) the integer dots are already in fz: the same integers, so the same floats. */
-VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Tile *t, const Fuse *fz, int has_mins,
-                                          const uint8_t *act, long K, long b, int ng, float *acc, int i0, const int nb) {
+ * min. With fz (nb = 1) the integer dots are already in fz: the same integers, so the same floats. With fly
+ * (the tiled layout w, row block rb; no t) each line is decoded as the items meet it (tiled_line) and each
+ * unit's scales as it starts (tiled_unit_scales): the tile's integers and scales, so the same bits. */
+VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Tile *t, const Fuse *fz, const int fly,
+                                          const TiledSrc *w, long rb, int has_mins, const uint8_t *act, long K, long b,
+                                          int ng, float *acc, int i0, const int nb) {
     const int q6 = per16(kind), per = q6 ? 16 : 32, units = q6 ? 16 : ng < 8 ? ng : 8; /* Q6_K, Q3_K: per 16-chunk scales */
     const int offset = code_offset(kind);
     const int minus = kmins(kind); /* Q4_K / Q5_K / Q2_K subtract their mins; the layouts add them */
+    const long run = fly ? tiled_run_bytes(kind) : 0;
+    const uint8_t *src = fly ? w->codes + (rb * (K / 64) + 4 * b) * run : NULL;
     __m512 s[IT];
     const int8_t *qb[IT]; /* each item's activations of this block (digits: its block, planes at DIG_Q + 256 p) */
     for (int i = 0; i < nb; i++) {
@@ -416,18 +486,22 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
         if (!fz)
 #pragma GCC unroll 8
             for (int j = 0; j < per / 4; j++) { /* unrolled: every offset from qb[i] a constant */
-                const __m512i c = t->c[u * per / 4 + j];
+                const int line = u * per / 4 + j;
+                const __m512i c = fly ? tiled_line(kind, src + line / 16 * run, line % 16) : t->c[line];
                 for (int i = 0; i < nb; i++)
                     for (int p = 0; p < nd; p++)
                         DD[i][p] = dot4(DD[i][p], c, qb[i] + DIG_Q + 256 * p + per * u + 4 * j);
             }
+        __m512 fsc, fmn;
+        if (fly) tiled_unit_scales(kind, w, K, rb, b, u, &fsc, &fmn);
+        const __m512 sc = fly ? fsc : t->sc[u], *mn = fly ? &fmn : &t->mn[u];
         for (int i = 0; i < nb; i++) {
             if (nd == 3) {
-                s[i] = digits_unit(t->sc[u], has_mins ? &t->mn[u] : NULL, (const uint8_t *)qb[i], u, q6, has_mins, minus, DD[i], s[i]);
+                s[i] = digits_unit(sc, has_mins ? mn : NULL, (const uint8_t *)qb[i], u, q6, has_mins, minus, DD[i], s[i]);
                 continue;
             }
             const Act a = act_at(act, K, i0 + i);
-            s[i] = int8_unit(t->sc[u], &t->mn[u], &a, b, u, q6, offset, has_mins, minus, DD[i][0], s[i]);
+            s[i] = int8_unit(sc, mn, &a, b, u, q6, offset, has_mins, minus, DD[i][0], s[i]);
         }
     }
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
@@ -465,8 +539,8 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
 #define ITEMS_DIGITS(k, ...) NB_SWITCH(tile_items, k, 3, __VA_ARGS__)
 VNNI static void items_pass(int kind, int nd, const Tile *t, int has_mins, const uint8_t *act, long K,
                             long b, int ng, float *acc, int i0, int nb) {
-    if (nd == 3) TILED_CONST(ITEMS_DIGITS, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
-    else KIND_CONST(ITEMS_I8, kind, t, NULL, has_mins, act, K, b, ng, acc, i0);
+    if (nd == 3) TILED_CONST(ITEMS_DIGITS, kind, t, NULL, 0, NULL, 0, has_mins, act, K, b, ng, acc, i0);
+    else KIND_CONST(ITEMS_I8, kind, t, NULL, 0, NULL, 0, has_mins, act, K, b, ng, acc, i0);
 }
 
 VNNI static inline ALWAYS void decode_kind(const int kind, const uint8_t *const *rows, const uint8_t *const *srows,
@@ -492,7 +566,7 @@ VNNI static inline ALWAYS void one_item_k(const int kind, const int nd, const ui
         f.q[p] = nd == 1 ? act_at(act, K, item).q + 256 * b : (const int8_t *)dig_block(act, K, item, b) + DIG_Q + 256 * p;
     }
     decode_kind(kind, rows, srows, mrows, b, ng, &t, &f);
-    tile_items(kind, nd, &t, &f, has_mins, act, K, b, ng, acc, item, 1);
+    tile_items(kind, nd, &t, &f, 0, NULL, 0, has_mins, act, K, b, ng, acc, item, 1);
 }
 
 /* ng a constant wherever it is 8 (every block, every whole stretch): the indices stay constants */
@@ -629,6 +703,7 @@ int quill_gemv_tiles_exact(int kind, const uint8_t *blocks, const float *x, cons
 #define FUSE_BATCH 4 /* batches up to this many go FUSE_ITEMS at a time without the stored tile */
 
 
+
 /* One chunk's (64 columns') three planes' dots acc[p][k] (over lines 4k .. 4k + 3) -> the item's 16 sums s, unit
  * by unit (Q6_K: its four 16-chunks; the others: their two groups; sc[j] and mn[j]: unit j's scales and mins,
  * tiled_unit_scales'): each unit's dot from its dots, which decode_tiled started from the unit's offset term
@@ -649,29 +724,6 @@ VNNI static inline ALWAYS void fuse_chunk(const int kind, const int nd, const __
     }
 }
 
-/* Unit u's (Q6_K: 16-chunk; the others: group) 16 scales *sc and mins *mn (Q4_K and Q5_K; the others: zero) of
- * super-block b of row block rb, as decode_blocks makes them. A fused pass takes each chunk's as it ends, in
- * registers: filling the tile's and reading them back took the batch-1 Q4_K tiles 1.1x the time (Zen 4). */
-VNNI static inline ALWAYS void tiled_unit_scales(const int kind, const TiledSrc *w, long K, long rb, long b, int u,
-                                                 __m512 *sc, __m512 *mn) {
-    *mn = _mm512_setzero_ps();
-    if (kind == KQ_Q2K) { /* the file's scale bytes sc | m << 4: d sc, and -(-dmin m) as Q4_K's below */
-        const long g = rb * (K / 16) + 16 * b + u;
-        *sc = kscale_nibble(w->scale, w->scale_d, g, 4, 0);
-        *mn = _mm512_xor_ps(kscale_nibble(w->scale, w->mins_d, g, 4, 1), _mm512_set1_ps(-0.0f));
-    } else if (per16(kind)) {
-        *sc = kscale_group(w->scale, w->scale_d, rb * (K / 16) + 16 * b + u, 4);
-    } else if (kind == LAYOUT_Q8) { /* Q8_0: the file's fp16 scale per 32 weights, as they are */
-        *sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + (rb * (K / 32) + 8 * b + u) * 16)));
-    } else {
-        const long G = K / 32;
-        *sc = kscale_group(w->scale, w->scale_d, rb * G + 8 * b + u, 3);
-        if (kind == 0 && u % 2) *sc = _mm512_mul_ps(*sc, _mm512_set1_ps(0.0625f)); /* codes 16 q: below */
-        if (kind == 0 || kind == 5) /* -(-dmin * m): dmin * m, as decode_blocks */
-            *mn = _mm512_xor_ps(kscale_group(w->mins, w->mins_d, rb * G + 8 * b + u, 3), _mm512_set1_ps(-0.0f));
-    }
-}
-
 /* Super-block b of row block rb -> t, as decode_blocks would leave it (ni = 0); or the dots of ni items
  * (blks[i]: item i's digit block of super-block b, its three planes at DIG_Q) combined chunk by chunk into
  * their 16 sums s[i] (fuse_chunk). One item keeps four lines per accumulator, so six dot chains are open at
@@ -681,13 +733,11 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                                             const int ni, const int nd, const uint8_t *const *blks, const Act *acts, __m512 *s) {
     const long C = K / 64, run = tiled_run_bytes(kind);
     const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
-    const __m512i n4 = _mm512_set1_epi8(15);
     for (int u = 0; !ni && u < (per16(kind) ? 16 : 8); u++) { /* the tile's (a fused pass takes them chunk by chunk) */
         __m512 mn;
         tiled_unit_scales(kind, w, K, rb, b, u, &t->sc[u], &mn);
         if (kmins(kind)) t->mn[u] = mn;
     }
-    const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128((const __m128i *)IQ4_TABLE), _mm_set1_epi8((char)128)));
     const int lpa = ni > 1 && !per16(kind) ? 8 : 4;
 #pragma GCC unroll 1
     for (int cc = 0; cc < 4; cc++, src += run) { /* a chunk at a time: its 16 lines unrolled, its dots in registers */
@@ -713,79 +763,8 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                 acc[i_][p_][l_ / lpa] = dot4(acc[i_][p_][l_ / lpa], v_,                                       \
                                              (const int8_t *)item_plane(blks[i_], nd, p_) + 4 * (16 * cc + l_));   \
     } while (0)
-        if (kind == LAYOUT_Q8) { /* signed codes + 128: unsigned for vpdpbusd (the offset terms take it back) */
-            const __m512i flip = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) PUT(i, _mm512_xor_si512(_mm512_loadu_si512(src + 64 * i), flip));
-        } else if (kind == 0 || kind == 4) {
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) {
-                const __m512i v = _mm512_loadu_si512(src + 64 * i);
-                if (kind == 0) { /* the high nibbles in place, 16 q, with the odd groups' scales times 1/16 (above,
-                                  * as decode_blocks): one AND instead of a shift and an AND, and every product
-                                  * and sum the same float (16 D converts exactly where D does, powers of two) */
-                    PUT(i, _mm512_and_si512(v, n4));
-                    PUT(8 + i, _mm512_andnot_si512(n4, v));
-                } else {
-                    PUT(i, _mm512_shuffle_epi8(table, _mm512_and_si512(v, n4)));
-                    PUT(8 + i, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), n4)));
-                }
-            }
-        } else if (kind == KQ_Q2K) { /* codes 0..3: line l's are bits 2 (l / 4) .. of the plane's 64 bytes l % 4 */
-            const __m512i m3 = _mm512_set1_epi8(3);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                const __m512i v = _mm512_loadu_si512(src + 64 * i);
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; k++) PUT(i + 4 * k, _mm512_and_si512(k ? _mm512_srli_epi16(v, 2 * k) : v, m3));
-            }
-        } else if (kind == KQ_Q3K) { /* codes 0..7: the low 2 bits of line l are bits 2 (l / 4) .. of the 2-bit plane's
-                  * 64 bytes l % 4, its top bit bit l / 2 of the top plane's 64 bytes l % 2 (tiled.py's _tiles); both
-                  * shifted into place, the top bit masked there, and one vpternlogd joins them. (16-bit shifts: a bit
-                  * crossing into a byte lands outside the bits kept.) */
-            const __m512i m3 = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
-            const __m512i h0 = _mm512_loadu_si512(src + 256), h1 = _mm512_loadu_si512(src + 320);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                const __m512i v = _mm512_loadu_si512(src + 64 * i);
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; k++) {
-                    const int line = i + 4 * k, at = line / 2; /* the line's top bit in its plane's bytes */
-                    const __m512i h = line % 2 ? h1 : h0;
-                    const __m512i top = _mm512_and_si512(at < 2 ? _mm512_slli_epi16(h, 2 - at) : at > 2 ? _mm512_srli_epi16(h, at - 2) : h, bit2);
-                    PUT(line, _mm512_ternarylogic_epi32(m3, k ? _mm512_srli_epi16(v, 2 * k) : v, top, 0xea)); /* (lo & 3) | top */
-                }
-            }
-        } else { /* Q5_K (w = 1), Q6_K (w = 2): the nibbles as q4's, then a plane of the codes' top w bits, bits
-                  * w k .. w k + w - 1 of its byte i for line (span k + i) / 64. Those bits are shifted straight to
-                  * bit 4 of each byte and masked there, and one vpternlogd takes the nibble and adds them: three
-                  * operations a line (four for the high nibbles) where masking the bits at 0 and shifting them up
-                  * took five or six. On the AMD EPYC Zen 4, one thread, 256 x 2048 in L2, interleaved against the
-                  * five-or-six form: batch 1 0.96x the time (Q6_K and Q5_K; from memory, two threads, 0.95-0.98x
-                  * and 0.88-0.96x), but batch 2 (the pairs) 1.01-1.02x, so the pairs and the tile keep that form.
-                  * (16-bit shifts: none here is over 4 bits, so none carries a bit across a byte into the kept
-                  * ones.) Same codes either way. */
-            const int w = kind == 5 ? 1 : 2, parts = 8 / w, span = 1024 / parts;
-            const __m512i top1 = _mm512_set1_epi8((char)((1 << w) - 1)), tops = _mm512_slli_epi16(top1, 4); /* tops: their place in a code */
-#pragma GCC unroll 4
-            for (int i = 0; i < span; i += 64) {
-                const __m512i h = _mm512_loadu_si512(src + 512 + i);
-#pragma GCC unroll 8
-                for (int k = 0; k < parts; k++) {
-                    const __m512i v = _mm512_loadu_si512(src + (span * k + i) % 512);
-                    if (ni == 1) {
-                        const int at = w * k; /* code k's top bits in h's bytes */
-                        const __m512i top = _mm512_and_si512(at < 4 ? _mm512_slli_epi16(h, 4 - at) : at > 4 ? _mm512_srli_epi16(h, at - 4) : h, tops);
-                        const __m512i nib = k < parts / 2 ? v : _mm512_srli_epi16(v, 4);
-                        PUT((span * k + i) / 64, _mm512_ternarylogic_epi32(n4, nib, top, 0xea)); /* (nib & 15) | top */
-                    } else {
-                        const __m512i lo = k < parts / 2 ? _mm512_and_si512(v, n4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), n4);
-                        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, w * k), top1);
-                        PUT((span * k + i) / 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4))); /* Q6_K: q - 32 + 32 */
-                    }
-                }
-            }
-        }
+        for (int l = 0; l < 16; l++) PUT(l, tiled_line(kind, src, l));
 #undef PUT
         if (ni) {
             const int per = per16(kind) ? 4 : 2;
@@ -800,6 +779,22 @@ VNNI static void decode_tiled_any(int kind, const TiledSrc *w, long K, long rb, 
 #define DECODE_TILED(k, ...) decode_tiled(k, __VA_ARGS__)
     TILED_CONST(DECODE_TILED, kind, w, K, rb, b, t, 0, 3, NULL, NULL, NULL);
 #undef DECODE_TILED
+}
+
+/* Passes over a super-block's codes (of `it` items each) up to which decoding each line again in every pass
+ * (tile_items' fly) beats storing the decoded tile once and reading it back (a 512-bit store takes a Zen 4 2.4 cycles):
+ * Q4_K, IQ4_XS and Q8_0, whose lines take one or two operations, two; the kinds whose lines join a plane of top
+ * bits, one. Zen 4, 8192 x 2048 from memory, two threads, GB/s of the weights, stored tile -> decoded as met, int8
+ * activations: Q4_K batch 8 12.1-12.2 -> 15.2-15.4, batch 16 (two passes) 7.8-8.2 -> 8.9; Q5_K batch 8
+ * 14.4-15.2 -> 16.9-17.6; but Q6_K batch 16 8.4-8.6 -> 6.7-7.2, so it stays at one pass. In the engine, 1B
+ * Q4_K_M, int8, batch 8: 125.9 -> 131.2 tok/s (medians of three alternating runs). */
+static inline int fly_passes(int kind) { return kind == 0 || kind == 4 || kind == LAYOUT_Q8 ? 2 : 1; }
+
+/* items_pass on the tiled layout without a stored tile (tile_items' fly). */
+VNNI static void fly_pass(int kind, int nd, const TiledSrc *w, long rb, const uint8_t *act, long K, long b, float *acc, int i0,
+                          int nb) {
+    if (nd == 3) TILED_CONST(ITEMS_DIGITS, kind, NULL, NULL, 1, w, rb, kmins(kind), act, K, b, 8, acc, i0);
+    else I8_TILED_CONST(ITEMS_I8, kind, NULL, NULL, 1, w, rb, kmins(kind), act, K, b, 8, acc, i0);
 }
 
 /* one_item_k for the tiled layout: decode straight into the ni items' three digit planes' dots (items
@@ -842,7 +837,9 @@ VNNI static void fused_tiled(int kind, int ni, int nd, const TiledSrc *w, long K
  * one stream, asked for ahead as tiled_ahead says, dealt (deal.h)
  * so that a thread done with its own takes the others' last ones: the whole 1B Q4_K_M model at batch 1
  * on the AMD EPYC Zen 4, in-engine A/B, 1.026x the tokens per second (3B: 1.048x), the closing barrier's
- * wait from 11% of the samples to under 1%. */
+ * wait from 11% of the samples to under 1%. Each super-block meets the items in pairs straight from the codes
+ * (batches up to FUSE_BATCH), `it` at a time with each line decoded as they meet it (up to fly_passes), or through
+ * the decoded tile stored once. */
 VNNI static void tiled_gemm(int kind, int nd, const TiledSrc *w, const uint8_t *act, long K, int N, int B, float *out,
                             int ld, int threads) {
     const long nblk = K / 256, run = tiled_run_bytes(kind), C = K / 64;
@@ -862,6 +859,11 @@ VNNI static void tiled_gemm(int kind, int nd, const TiledSrc *w, const uint8_t *
                 if (nc <= FUSE_BATCH) { /* the items in pairs (an odd one alone), each straight from the codes */
                     for (int i = 0; i < nc; i += FUSE_ITEMS)
                         fused_tiled(kind, nc - i < FUSE_ITEMS ? nc - i : FUSE_ITEMS, nd, w, K, rb, b, act, acc + 16 * i, c0 + i);
+                    continue;
+                }
+                if ((nc + it - 1) / it <= fly_passes(kind)) { /* it items a pass, each line decoded in every pass */
+                    for (int i0 = 0; i0 < nc; i0 += it)
+                        fly_pass(kind, nd, w, rb, act, K, b, acc + 16 * i0, c0 + i0, nc - i0 < it ? nc - i0 : it);
                     continue;
                 }
                 decode_tiled_any(kind, w, K, rb, b, &t);
