@@ -204,25 +204,28 @@ def test_for_cpu_tiles_only_k_quants_and_q8_0_and_only_without_amx(avx512_kernel
         assert tiled.for_cpu(q4k).avx2
         for kept in (_weight(Q.Q6_K), _weight(Q.IQ4_XS), _q8_0(), q5_0):
             assert tiled.for_cpu(kept) is kept
-    with use(dataclasses.replace(OPTIONS, isa=256, int8=True)):  # the AVX2 digit tiles have an int8 kernel too
-        assert tiled.for_cpu(q4k).avx2 and tiled.for_cpu(_weight(Q.Q6_K)).__class__ is BlockWeight
+    with use(dataclasses.replace(OPTIONS, isa=256, int8=True)):  # the AVX2 digit tiles have an int8 kernel too,
+        assert tiled.for_cpu(q4k).avx2 and tiled.for_cpu(_weight(Q.Q6_K)).avx2  # which takes Q6_K as well
+        assert tiled.for_cpu(_weight(Q.IQ4_XS)).__class__ is BlockWeight
 
 
 AVX2 = KernelOptions(isa=256, amx=False, threads=2)
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q3_K, Q.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K], ids=lambda t: t.name)
 def test_avx2_digit_tiles_give_the_vnni_tiles_bits(qtype, avx512_kernels):
     """The tiled layout's AVX2 kernel (csrc/tiled_avx2.c, where the VNNI tiles do not run: an AVX2 CPU or isa 256)
     computes the VNNI tiles' integer dots with vpmaddubsw and their float sequence, so its outputs are theirs bit
     for bit at every batch (the VNNI tiles natively, or emulated where the CPU lacks them), NaN rows included and
     items scaled to the fp32 range's ends (a unit of 2^-150, the digits' two-step scaling); each row the same bits
     alone and in a batch; and the tiles dequantize (quill_tiled_dequant's AVX2 unpacking) and look up rows as the
-    blocks do."""
+    blocks do. (Q6_K takes these tiles only with int8 activations, tiled.tile_for_avx2; its exact digits are
+    checked here all the same.)"""
     blocks = _weight(qtype)
-    with use(AVX2):
+    with use(dataclasses.replace(AVX2, int8=qtype == Q.Q6_K)):
         w = tiled.for_cpu(blocks)
+    with use(AVX2):
         assert isinstance(w, tiled.TiledWeight) and w.avx2 and w.vnni and w.native_kind & (512 | 64) == 512 | 64
         assert w.nbytes <= 1.1 * blocks.nbytes
         assert torch.equal(w.dequantize(), blocks.dequantize())
@@ -253,12 +256,12 @@ def test_avx2_digit_tiles_give_the_vnni_tiles_bits(qtype, avx512_kernels):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q3_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K], ids=lambda t: t.name)
 def test_int8_activations_on_the_avx2_digit_tiles_give_the_vnni_tiles_int8_bits(qtype, avx512_kernels):
     """With int8 activations the AVX2 digit tiles run one plane of vpmaddubsw on them (quill_gemv_tiled_i8_avx2) and
-    the VNNI tiles' int8 float sequence (int8_unit8), so Q4_K and Q5_K give the VNNI tiles' int8 bits, and the
-    AVX2 blocks' int8 kernel's, at every batch, each row the same alone and in a batch; Q3_K has no int8 kernel
-    and keeps the exact digits."""
+    the VNNI tiles' int8 float sequence (int8_unit8), so Q4_K, Q5_K and Q6_K give the VNNI tiles' int8 bits, and
+    the AVX2 blocks' int8 kernel's, at every batch (lines decoded in each pass, or from the stored tile past
+    fly_passes8), each row the same alone and in a batch; Q3_K has no int8 kernel and keeps the exact digits."""
     blocks = _weight(qtype)
     avx2_int8, vnni_int8 = dataclasses.replace(AVX2, int8=True), dataclasses.replace(OPTIONS, int8=True)
     with use(avx2_int8):

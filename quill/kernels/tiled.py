@@ -137,13 +137,14 @@ def available(opts: options.KernelOptions | None = None) -> bool:
 
 
 AVX2_KINDS = {"q4", "q5", "q3", "q2"}  # the digit tiles' AVX2 kernel (csrc/tiled_avx2.c): codes below 32
+AVX2_INT8_KINDS = AVX2_KINDS | {"q6"}  # with int8 activations Q6_K too: one plane, whose two-line runs cost little
 
 
 def avx2_available(opts: options.KernelOptions | None = None) -> bool:
     """Whether the K-quant weights whose codes stay below 32 (AVX2_KINDS) take the tiled layout for the digit
     tiles' AVX2 kernel: the VNNI tiles do not run (an AVX2-only CPU, or an engine with the AVX2 kernels forced).
-    With int8 activations Q4_K and Q5_K run those tiles' int8 kernel (the VNNI tiles' int8 bits), Q3_K and Q2_K
-    their exact digits."""
+    With int8 activations Q6_K takes them too (AVX2_INT8_KINDS), and Q4_K, Q5_K and Q6_K run those tiles' int8
+    kernel (the VNNI tiles' int8 bits), Q3_K and Q2_K their exact digits."""
     lib = native.load()
     opts = opts or options.current()
     return lib is not None and not vnni_available(opts)
@@ -238,8 +239,10 @@ def tile_for_vnni(w) -> TiledWeight | None:
 
 def tile_for_avx2(w) -> TiledWeight | None:
     """A weight's tiled form for the digit tiles' AVX2 kernel: the K-quants of AVX2_KINDS (Q4_K, Q5_K, Q3_K, Q2_K)
-    in 16-row blocks; None for the others, which keep their layouts: IQ4_XS and Q8_0 (codes up to 255, whose int16
-    pairs would overflow) and Q6_K (its 2-line int16 runs made batch 16 2.5x slower than its blocks' FMAs).
+    in 16-row blocks, and with int8 activations Q6_K too (AVX2_INT8_KINDS); None for the others, which keep their
+    layouts: IQ4_XS and Q8_0 (codes up to 255, whose int16 pairs would overflow), and Q6_K with exact activations
+    (its three digit planes in 2-line int16 runs took 1.7x the time of its blocks' FMAs at batch 16, one thread in
+    L2; with int8 activations the tiles took 0.74-1.0x the blocks' int8 kernel's time at batches 1-64 there).
 
     On the AMD EPYC Zen 4 with the AVX2 kernels forced, against the blocks' AVX2 kernels (8192 x 2048 from memory,
     two threads, GB/s of the weights, medians of 7 interleaved rounds): batch 1 Q4_K 16.3 -> 22.0, Q5_K 16.5 ->
@@ -247,7 +250,8 @@ def tile_for_avx2(w) -> TiledWeight | None:
     Q2_K 0.79 -> 0.96. In the engine, 1B files, tokens per second at batch 1 (batch 16): Q4_K_M 20.1 -> 23.5
     (48.6 -> 51.5), Q5_K_M 14.7 -> 23.2 (46.5 -> 44.3), Q3_K_M 15.1 -> 23.7 (35.6 -> 36.2), Q2_K 15.4 -> 23.4
     (29.2 -> 34.8)."""
-    if not isinstance(w, BlockWeight) or KSCALE_TYPES.get(w.qtype) not in AVX2_KINDS:
+    kinds = AVX2_INT8_KINDS if options.current().int8 else AVX2_KINDS
+    if not isinstance(w, BlockWeight) or KSCALE_TYPES.get(w.qtype) not in kinds:
         return None
     t = _tile_kscales(w, vnni=True)
     return None if t is None else dataclasses.replace(t, avx2=True)

@@ -1,10 +1,10 @@
 /* The exact digit tiles on AVX2 (CPUs without AVX-512 VNNI, as AMD Zen 1-3, or an engine with isa 256): the
- * tiled layout (tiled.py, amx_gemv.c's header) of Q4_K, Q5_K, Q3_K and Q2_K weights, met by x's three
+ * tiled layout (tiled.py, amx_gemv.c's header) of Q4_K, Q5_K, Q6_K, Q3_K and Q2_K weights, met by x's three
  * int8 digit planes (digits.h, tiled_digits.h) in the integer dots of kquant_i8.c's VNNI tiles, computed
  * here with vpmaddubsw, and the same float sequence after them. So a tiled weight gives the VNNI tiles'
  * outputs bit for bit on either CPU kind, and each row the same bits alone and in any batch. With int8 activations
- * (the opt-in) Q4_K and Q5_K run the same loops on one plane of them (quill_gemv_tiled_i8_avx2), the VNNI tiles'
- * int8 bits.
+ * (the opt-in) Q4_K, Q5_K and Q6_K run the same loops on one plane of them (quill_gemv_tiled_i8_avx2), the VNNI
+ * tiles' int8 bits.
  *
  * A line of the layout is 64 bytes: 16 rows' codes of four columns, row r in dword r. Here it is two halves,
  * rows 0-7 and rows 8-15, one 256-bit register each, lane r holding row 8h + r's four codes. vpmaddubsw
@@ -12,17 +12,20 @@
  * int16; those are summed in int16 over a run of lines and widened to int32 (vpmaddwd by ones) once per run.
  * No int16 sum can overflow: a pair is at most 2 * 128 * cmax, so a run of R lines is safe while
  * 256 * cmax * R <= 32767:
- *   Q4_K (codes 0..15): R = 8, a whole unit;  Q5_K (0..31): R = 4;  Q3_K (0..7) and Q2_K (0..3): R = 4, a whole unit.
+ *   Q4_K (codes 0..15): R = 8, a whole unit;  Q5_K (0..31): R = 4;  Q6_K (0..63): R = 2;
+ *   Q3_K (0..7) and Q2_K (0..3): R = 4, a whole unit.
  * Per unit (a 32-weight group; Q3_K, Q2_K: a 16-weight chunk), the int32 dot starts from the unit's
  * offset term (DIG_FROM) as the VNNI tiles' does, so every integer is theirs (Q4_K's odd groups: a sixteenth
  * of theirs, since they take those codes as 16 q, the high nibbles in place, which digits_unit8 takes back
  * exactly), and digits_unit8 is their digits_unit on eight lanes.
  *
  * Without vpdpbusd each plane's dot is two instructions (vpmaddubsw, vpaddw) per 32 products, so at larger batches
- * the three planes cost about what one fp32 FMA per weight and item does (figures: tiled.tile_for_avx2). Not here:
- * IQ4_XS and Q8_0, whose codes (table values or signed bytes, + 128) reach 255, so their int16 pairs would
- * saturate, and Q6_K, whose codes up to 63 allow runs of two lines only (its batch 16 ran 2.5x the time of its
- * blocks' FMAs). On AVX2 they keep their layouts and kernels (kquant_i8_avx2.c, quant_gemv.c). */
+ * the three planes cost about what one fp32 FMA per weight and item does (figures: tiled.tile_for_avx2). Q6_K's
+ * codes up to 63 allow runs of two lines only (R = 2): with int8 activations, one plane, that costs little, and
+ * tiled.tile_for_avx2 tiles Q6_K for this kernel then; with the digits' three planes its batch 16 ran 1.7x the
+ * time of its blocks' FMAs, so the exact path keeps those (the kernel takes it either way). Not here: IQ4_XS and
+ * Q8_0, whose codes (table values or signed bytes, + 128) reach 255, so their int16 pairs would saturate; on AVX2
+ * they keep their layouts and kernels (kquant_i8_avx2.c, quant_gemv.c). */
 #include "isa.h"
 
 #include "deal.h"
@@ -40,11 +43,11 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
 #define ITEMS8 2   /* items a pass dots at once from each decoded line: 2 x 3 planes' int16 runs and int32 dots */
 #define DCHUNK8 64 /* items per pass over the weights (their digit planes stay in L2, as the VNNI tiles' DCHUNK) */
 
-/* 1 for the kinds this file takes: 0 Q4_K, 5 Q5_K, KQ_Q3K, KQ_Q2K. */
-static inline int avx2_tiled_kind(int kind) { return kind == 0 || kind == 5 || kind == KQ_Q3K || kind == KQ_Q2K; }
+/* 1 for the kinds this file takes: 0 Q4_K, 1 Q6_K, 5 Q5_K, KQ_Q3K, KQ_Q2K. */
+static inline int avx2_tiled_kind(int kind) { return kind == 0 || kind == 1 || kind == 5 || kind == KQ_Q3K || kind == KQ_Q2K; }
 
 /* Lines per int16 run (the header's R). */
-static inline int run_lines(int kind) { return kind == 0 ? 8 : 4; }
+static inline int run_lines(int kind) { return kind == 0 ? 8 : kind == 1 ? 2 : 4; }
 
 /* ---- The digits (the VNNI tiles' split_digits on eight lanes: the same buffer, byte for byte) ---- */
 
@@ -143,6 +146,14 @@ static inline ALWAYS __m256i line_codes(const int kind, const uint8_t *src, cons
                                              _mm256_set1_epi8(4));
         return _mm256_or_si256(_mm256_and_si256(l / 4 ? _mm256_srli_epi16(v, 2 * (l / 4)) : v, m3), top);
     }
+    if (kind == 1) { /* Q6_K: nibbles as Q4_K's, then a plane of the top pairs: bits 2 (l / 4) .. of its bytes 64 (l % 4),
+                      * shifted straight to bits 4-5 and masked there */
+        const __m256i v = LOAD(64 * (l % 8)), hb = LOAD(512 + 64 * (l % 4));
+        const int at = 2 * (l / 4);
+        const __m256i nib = l < 8 ? _mm256_and_si256(v, n4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), n4);
+        const __m256i top = at < 4 ? _mm256_slli_epi16(hb, 4 - at) : at > 4 ? _mm256_srli_epi16(hb, at - 4) : hb;
+        return _mm256_or_si256(nib, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
+    }
     /* Q5_K: nibbles as Q4_K's, then a plane of the top bits: bit k of its byte i for the line (128 k + i) / 64 */
     const int k = l / 2, i = 64 * (l % 2);
     const __m256i v = LOAD((128 * k + i) % 512), hb = LOAD(512 + i);
@@ -192,13 +203,17 @@ static inline ALWAYS __m256 digits_unit8(__m256 sc, __m256 mn, const uint8_t *bl
 }
 
 /* s after unit u of super-block b of an int8 item (a: its activations) whose integer dot is D: kquant_i8.c's
- * int8_unit on eight lanes, for the kinds here (no code offsets); with x16 (Q4_K's odd groups, whose codes the
+ * int8_unit on eight lanes (Q6_K: its offset, 32 times the 16-chunk's sum of codes, taken off the dot first, and
+ * dx per 32); with x16 (Q4_K's odd groups, whose codes the
  * VNNI tiles hold as 16 q and their scale as a sixteenth) the scale times dx is taken 16 times, exactly, so the
  * product with the plain dot is theirs. The mins are added as the layout keeps them (-dmin m): their sum. */
-static inline ALWAYS __m256 int8_unit8(__m256 sc, __m256 mn, const Act *a, long b, int u, int mins, int x16, __m256i D, __m256 s) {
-    __m256 m = _mm256_mul_ps(sc, _mm256_set1_ps(a->dx[8 * b + u]));
+static inline ALWAYS __m256 int8_unit8(__m256 sc, __m256 mn, const Act *a, long b, int u, int q6, int mins, int x16, __m256i D,
+                                       __m256 s) {
+    __m256 f = _mm256_cvtepi32_ps(D);
+    if (q6) f = _mm256_fnmadd_ps(_mm256_set1_ps(32.f), _mm256_set1_ps(a->s16[16 * b + u]), f); /* Q6_K's offset */
+    __m256 m = _mm256_mul_ps(sc, _mm256_set1_ps(a->dx[8 * b + (q6 ? u / 2 : u)]));
     if (x16) m = _mm256_mul_ps(m, _mm256_set1_ps(16.f));
-    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), m, s);
+    s = _mm256_fmadd_ps(f, m, s);
     return mins ? _mm256_fmadd_ps(mn, _mm256_set1_ps(a->xs[8 * b + u]), s) : s;
 }
 
@@ -217,9 +232,10 @@ static inline ALWAYS __m256i bcast4_8(const uint8_t *p) {
 
 /* The integer dots of unit j (lines ul j .. ul j + ul - 1) of the run at src (chunk cc) with ni items' three planes
  * (blks[i]: item i's digit block), for halves h0 .. h0 + nh - 1: D[i][p][h] from the unit's offset term (off_u,
- * or zero), each line decoded once and met by every item and plane; int16 runs of R lines, widened at each end. */
+ * or zero), each line decoded once (or read from the stored tile, store_tile8's, where tile is given) and met by
+ * every item and plane; int16 runs of R lines, widened at each end. */
 static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nd, const int nh, const int h0, const uint8_t *src,
-                                     int cc, int j, int u, const uint8_t *const *blks, __m256i D[][3][2]) {
+                                     const __m256i *tile, int cc, int j, int u, const uint8_t *const *blks, __m256i D[][3][2]) {
     const int q6 = per16(kind), ul = q6 ? 4 : 8, R = run_lines(kind), offset = code_offset(kind);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i r16[ITEMS8][3][2];
@@ -227,7 +243,7 @@ static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nd,
     for (int k = 0; k < ul; k++) {
         const int l = ul * j + k;
         __m256i c[2];
-        for (int h = 0; h < nh; h++) c[h] = line_codes(kind, src, l, h0 + h);
+        for (int h = 0; h < nh; h++) c[h] = tile ? tile[2 * (16 * cc + l) + h0 + h] : line_codes(kind, src, l, h0 + h);
         for (int i = 0; i < ni; i++)
             for (int p = 0; p < nd; p++) { /* blks: item_inputs' */
                 const __m256i x = bcast4_8(item_plane(blks[i], nd, p) + 4 * (16 * cc + l));
@@ -253,9 +269,9 @@ static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nd,
  * 16, one thread in L2, 0.78x the time of a half at a time); two items of Q3_K or Q2_K take one half at a time
  * (both at once took 1.46x the time there). */
 static inline ALWAYS void tiled_block8(const int kind, const int ni, const int nd, const TiledSrc *w, long K, long rb, long b,
-                                       const uint8_t *const *blks, const Act *acts, __m256 s[][2]) {
+                                       const __m256i *tile, const uint8_t *const *blks, const Act *acts, __m256 s[][2]) {
     const long C = K / 64, run = tiled_run_bytes(kind);
-    const int q6 = per16(kind), units = q6 ? 4 : 2, mins = kmins(kind), nh = ni == 1 || !q6 ? 2 : 1;
+    const int q6 = per16(kind), units = q6 ? 4 : 2, mins = kmins(kind), nh = ni == 1 || !q6 || nd == 1 ? 2 : 1;
     const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
     const int shift = q6 ? 4 : 3;
     const long g0 = (q6 ? rb * (K / 16) + 16 * b : rb * (K / 32) + 8 * b);
@@ -272,13 +288,13 @@ static inline ALWAYS void tiled_block8(const int kind, const int ni, const int n
 #pragma GCC unroll 2
             for (int h0 = 0; h0 < 2; h0 += nh) {
                 __m256i D[ITEMS8][3][2];
-                unit_dots8(kind, ni, nd, nh, h0, src, cc, j, u, blks, D);
+                unit_dots8(kind, ni, nd, nh, h0, src, tile, cc, j, u, blks, D);
                 for (int h = 0; h < nh; h++) {
                     __m256 sc, mn;
                     unit_scales8(kind, w, K, rb, b, u, h0 + h, f[h0 + h], &sc, &mn);
                     for (int i = 0; i < ni; i++) {
                         if (nd == 1) {
-                            s[i][h0 + h] = int8_unit8(sc, mn, &acts[i], b, u, mins, kind == 0 && j, D[i][0][h], s[i][h0 + h]);
+                            s[i][h0 + h] = int8_unit8(sc, mn, &acts[i], b, u, q6, mins, kind == 0 && j, D[i][0][h], s[i][h0 + h]);
                             continue;
                         }
                         const __m256i Dh[3] = {D[i][0][h], D[i][1][h], D[i][2][h]};
@@ -289,8 +305,50 @@ static inline ALWAYS void tiled_block8(const int kind, const int ni, const int n
         }
 }
 
-static void tiled_pass8(int kind, int ni, int nd, const TiledSrc *w, long K, long rb, long b, const uint8_t *act, float *acc,
-                        int item) {
+/* F(k, ...) with kind a constant k: every kind this file takes (AVX2_CONST), or those with an int8 kernel (I8_CONST). */
+#define AVX2_CONST(F, kind, ...)                                                                     \
+    do {                                                                                             \
+        if ((kind) == 0) F(0, __VA_ARGS__);                                                          \
+        else if ((kind) == 1) F(1, __VA_ARGS__);                                                     \
+        else if ((kind) == 5) F(5, __VA_ARGS__);                                                     \
+        else if ((kind) == KQ_Q3K) F(KQ_Q3K, __VA_ARGS__);                                           \
+        else F(KQ_Q2K, __VA_ARGS__);                                                                 \
+    } while (0)
+#define I8_CONST(F, kind, ...) /* Q4_K, Q6_K, Q5_K */                                                \
+    do {                                                                                             \
+        if ((kind) == 0) F(0, __VA_ARGS__);                                                          \
+        else if ((kind) == 1) F(1, __VA_ARGS__);                                                     \
+        else F(5, __VA_ARGS__);                                                                      \
+    } while (0)
+
+/* Passes of ITEMS8 items over a super-block up to which each pass decodes its lines again (line_codes); beyond,
+ * store_tile8 decodes them once into a stored tile that every pass reads: Q4_K, whose lines take two operations,
+ * four passes; the kinds whose lines join a plane of top bits, one. Zen 4 with the AVX2 kernels forced, one thread,
+ * 256 x 2048 in L2, microseconds per item, each pass decoding -> the stored tile: int8 Q6_K batch 8 14.6 -> 11.0,
+ * batch 64 12.8 -> 8.5; Q5_K batch 8 11.2 -> 9.6; exact digits Q3_K batch 16 28.6 -> 21.7, Q5_K batch 64 19.9 ->
+ * 15.2; Q4_K about even below batch 16 (int8 batch 8 8.9 -> 9.1), exact batch 64 15.1 -> 14.3. */
+static inline int fly_passes8(int kind) { return kind == 0 ? 4 : 1; }
+
+/* Super-block b of row block rb's 64 lines, both halves, decoded once into tile: line l of chunk cc, half h at
+ * 2 (16 cc + l) + h (the codes line_codes gives, so the same integers). */
+static inline ALWAYS void store_tile8_k(const int kind, const TiledSrc *w, long K, long rb, long b, __m256i *tile) {
+    const long run = tiled_run_bytes(kind);
+    const uint8_t *src = w->codes + (rb * (K / 64) + 4 * b) * run;
+#pragma GCC unroll 1
+    for (int cc = 0; cc < 4; cc++, src += run)
+#pragma GCC unroll 16
+        for (int l = 0; l < 16; l++)
+            for (int h = 0; h < 2; h++) tile[2 * (16 * cc + l) + h] = line_codes(kind, src, l, h);
+}
+
+static void store_tile8(int kind, const TiledSrc *w, long K, long rb, long b, __m256i *tile) {
+    AVX2_CONST(store_tile8_k, kind, w, K, rb, b, tile);
+}
+
+/* ni items (item .. item + ni - 1, sums at acc) meet super-block b of row block rb: from the stored tile where
+ * tile is given (store_tile8's), else each line decoded as they meet it. */
+static void tiled_pass8(int kind, int ni, int nd, const TiledSrc *w, long K, long rb, long b, const __m256i *tile,
+                        const uint8_t *act, float *acc, int item) {
     const uint8_t *blks[ITEMS8];
     Act acts[ITEMS8];
     __m256 s[ITEMS8][2];
@@ -302,34 +360,27 @@ static void tiled_pass8(int kind, int ni, int nd, const TiledSrc *w, long K, lon
 #define TWO8(k, ...) tiled_block8(k, 2, 3, __VA_ARGS__)
 #define ONE8_I8(k, ...) tiled_block8(k, 1, 1, __VA_ARGS__)
 #define TWO8_I8(k, ...) tiled_block8(k, 2, 1, __VA_ARGS__)
-#define AVX2_CONST(F, ...)                                                                           \
+#define PASS8(T) /* T: the tile or NULL, a constant in each branch below */                           \
     do {                                                                                             \
-        if (kind == 0) F(0, __VA_ARGS__);                                                            \
-        else if (kind == 5) F(5, __VA_ARGS__);                                                       \
-        else if (kind == KQ_Q3K) F(KQ_Q3K, __VA_ARGS__);                                             \
-        else F(KQ_Q2K, __VA_ARGS__);                                                                 \
+        if (nd == 1 && ni == 1) I8_CONST(ONE8_I8, kind, w, K, rb, b, T, blks, acts, s);              \
+        else if (nd == 1) I8_CONST(TWO8_I8, kind, w, K, rb, b, T, blks, acts, s);                    \
+        else if (ni == 1) AVX2_CONST(ONE8, kind, w, K, rb, b, T, blks, acts, s);                     \
+        else AVX2_CONST(TWO8, kind, w, K, rb, b, T, blks, acts, s);                                  \
     } while (0)
-#define I8_CONST(F, ...) /* the kinds with an int8 kernel: Q4_K, Q5_K */                          \
-    do {                                                                                             \
-        if (kind == 0) F(0, __VA_ARGS__);                                                            \
-        else F(5, __VA_ARGS__);                                                                      \
-    } while (0)
-    if (nd == 1 && ni == 1) I8_CONST(ONE8_I8, w, K, rb, b, blks, acts, s);
-    else if (nd == 1) I8_CONST(TWO8_I8, w, K, rb, b, blks, acts, s);
-    else if (ni == 1) AVX2_CONST(ONE8, w, K, rb, b, blks, acts, s);
-    else AVX2_CONST(TWO8, w, K, rb, b, blks, acts, s);
+    if (tile) PASS8(tile);
+    else PASS8(NULL);
+#undef PASS8
 #undef ONE8
 #undef TWO8
 #undef ONE8_I8
 #undef TWO8_I8
-#undef I8_CONST
-#undef AVX2_CONST
     for (int i = 0; i < ni; i++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc + 16 * i + 8 * h, s[i][h]);
 }
 
 /* The VNNI tiles' tiled_gemm on AVX2: items in chunks of DCHUNK8; row blocks dealt to the threads (deal.h), each
- * asked for ahead as tiled_ahead says; each super-block met by the chunk's items ITEMS8 at a time. */
+ * asked for ahead as tiled_ahead says; each super-block met by the chunk's items ITEMS8 at a time, from its lines
+ * decoded in each pass or, past fly_passes8, from the tile stored once. */
 static void tiled_gemm8(int kind, int nd, const TiledSrc *w, const uint8_t *act, long K, int N, int B, float *out, int ld,
                         int threads) {
     const long nblk = K / 256, run = tiled_run_bytes(kind), C = K / 64;
@@ -342,11 +393,15 @@ static void tiled_gemm8(int kind, int nd, const TiledSrc *w, const uint8_t *act,
 #pragma omp parallel num_threads(nt)
         for (long rb; (rb = deal_next(deals, omp_get_thread_num(), nt)) >= 0;) {
             float acc[DCHUNK8 * 16] __attribute__((aligned(32)));
+            __m256i tile[128];
+            const int stored = (nc + ITEMS8 - 1) / ITEMS8 > fly_passes8(kind);
             memset(acc, 0, sizeof(float) * 16 * nc);
             for (long b = 0; b < nblk; b++) {
                 tiled_prefetch(ahead, kind, w, nblk, C, run, rb, b);
+                if (stored) store_tile8(kind, w, K, rb, b, tile);
                 for (int i = 0; i < nc; i += ITEMS8)
-                    tiled_pass8(kind, nc - i < ITEMS8 ? nc - i : ITEMS8, nd, w, K, rb, b, act, acc + 16 * i, c0 + i);
+                    tiled_pass8(kind, nc - i < ITEMS8 ? nc - i : ITEMS8, nd, w, K, rb, b, stored ? tile : NULL, act,
+                                acc + 16 * i, c0 + i);
             }
             for (int i = 0; i < nc; i++)
                 for (int h = 0; h < 2; h++)
@@ -355,7 +410,7 @@ static void tiled_gemm8(int kind, int nd, const TiledSrc *w, const uint8_t *act,
     }
 }
 
-/* kquant_i8.c's quill_gemv_tiled_exact on AVX2, for kinds 0 Q4_K, 5 Q5_K, KQ_Q3K and KQ_Q2K in the tiled
+/* kquant_i8.c's quill_gemv_tiled_exact on AVX2, for kinds 0 Q4_K, 1 Q6_K, 5 Q5_K, KQ_Q3K and KQ_Q2K in the tiled
  * layout (the same arguments; the same outputs, bit for bit). Returns 0, or -1 (nothing written) for another kind
  * or shape. */
 int quill_gemv_tiled_exact_avx2(int kind, const uint8_t *codes, const int8_t *scale, const int8_t *mins,
@@ -368,7 +423,7 @@ int quill_gemv_tiled_exact_avx2(int kind, const uint8_t *codes, const int8_t *sc
     return 0;
 }
 
-/* kquant_i8.c's quill_gemv_tiled_i8 on AVX2, for kinds 0 Q4_K and 5 Q5_K in the tiled layout (one plane of int8
+/* kquant_i8.c's quill_gemv_tiled_i8 on AVX2, for kinds 0 Q4_K, 1 Q6_K and 5 Q5_K in the tiled layout (one plane of int8
  * activations, quill_act8_quantize's, where the digits take three; int8_unit8 the VNNI tiles' int8 float
  * sequence, so the same outputs bit for bit). act: scratch of quill_act8_bytes(B, K). Returns 0, or -1 (nothing
  * written) for another kind or shape. */
@@ -376,7 +431,7 @@ int quill_gemv_tiled_i8_avx2(int kind, const uint8_t *codes, const int8_t *scale
                              const uint16_t *scale_d, const uint16_t *mins_d, const float *x, uint8_t *act, float *out,
                              int N, int K, int B, int ld, int threads) {
     const TiledSrc w = {codes, scale, mins, scale_d, mins_d};
-    if (!(kind == 0 || kind == 5) || !tiled_src_fits(kind, &w, K, N)) return -1;
+    if (!(kind == 0 || kind == 1 || kind == 5) || !tiled_src_fits(kind, &w, K, N)) return -1;
     quill_act8_quantize(x, act, B, K, threads);
     tiled_gemm8(kind, 1, &w, act, K, N, B, out, ld, threads);
     return 0;
