@@ -467,7 +467,7 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
     const int offset = code_offset(kind);
     const int minus = kmins(kind); /* Q4_K / Q5_K / Q2_K subtract their mins; the layouts add them */
     const long run = fly ? tiled_run_bytes(kind) : 0;
-    const uint8_t *src = fly ? w->codes + (rb * (K / 64) + 4 * b) * run : NULL;
+    const uint8_t *src = fly ? tiled_codes(kind, w, K, rb, b) : NULL;
     __m512 s[IT];
     const int8_t *qb[IT]; /* each item's activations of this block (digits: its block, planes at DIG_Q + 256 p) */
     for (int i = 0; i < nb; i++) {
@@ -731,8 +731,8 @@ VNNI static inline ALWAYS void fuse_chunk(const int kind, const int nd, const __
  * 12 (Q6_K: 24) accumulators stay in registers. The integer dots are the same either way. */
 VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, long K, long rb, long b, Tile *t,
                                             const int ni, const int nd, const uint8_t *const *blks, const Act *acts, __m512 *s) {
-    const long C = K / 64, run = tiled_run_bytes(kind);
-    const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
+    const long run = tiled_run_bytes(kind);
+    const uint8_t *src = tiled_codes(kind, w, K, rb, b);
     for (int u = 0; !ni && u < (per16(kind) ? 16 : 8); u++) { /* the tile's (a fused pass takes them chunk by chunk) */
         __m512 mn;
         tiled_unit_scales(kind, w, K, rb, b, u, &t->sc[u], &mn);

@@ -146,20 +146,14 @@ static inline ALWAYS __m256i line_codes(const int kind, const uint8_t *src, cons
                                              _mm256_set1_epi8(4));
         return _mm256_or_si256(_mm256_and_si256(l / 4 ? _mm256_srli_epi16(v, 2 * (l / 4)) : v, m3), top);
     }
-    if (kind == 1) { /* Q6_K: nibbles as Q4_K's, then a plane of the top pairs: bits 2 (l / 4) .. of its bytes 64 (l % 4),
-                      * shifted straight to bits 4-5 and masked there */
-        const __m256i v = LOAD(64 * (l % 8)), hb = LOAD(512 + 64 * (l % 4));
-        const int at = 2 * (l / 4);
-        const __m256i nib = l < 8 ? _mm256_and_si256(v, n4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), n4);
-        const __m256i top = at < 4 ? _mm256_slli_epi16(hb, 4 - at) : at > 4 ? _mm256_srli_epi16(hb, at - 4) : hb;
-        return _mm256_or_si256(nib, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
-    }
-    /* Q5_K: nibbles as Q4_K's, then a plane of the top bits: bit k of its byte i for the line (128 k + i) / 64 */
-    const int k = l / 2, i = 64 * (l % 2);
-    const __m256i v = LOAD((128 * k + i) % 512), hb = LOAD(512 + i);
-    const __m256i nib = k < 4 ? _mm256_and_si256(v, n4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), n4);
-    const __m256i top = _mm256_and_si256(k ? _mm256_srli_epi16(hb, k) : hb, _mm256_set1_epi8(1));
-    return _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
+    /* Q5_K (w = 1), Q6_K (w = 2): nibbles as Q4_K's, then a plane of the codes' top w bits, bits w k .. of its byte i
+     * for line (span k + i) / 64 (kquant_i8.c's tiled_line), shifted straight to bit 4 and masked there */
+    const int w = kind == 5 ? 1 : 2, parts = 8 / w, span = 1024 / parts, lines = span / 64;
+    const int k = l / lines, i = 64 * (l % lines), at = w * k;
+    const __m256i v = LOAD((span * k + i) % 512), hb = LOAD(512 + i);
+    const __m256i nib = k < parts / 2 ? _mm256_and_si256(v, n4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), n4);
+    const __m256i top = at < 4 ? _mm256_slli_epi16(hb, 4 - at) : at > 4 ? _mm256_srli_epi16(hb, at - 4) : hb;
+    return _mm256_or_si256(nib, _mm256_and_si256(top, _mm256_set1_epi8((char)(((1 << w) - 1) << 4))));
 #undef LOAD
 }
 
@@ -270,9 +264,9 @@ static inline ALWAYS void unit_dots8(const int kind, const int ni, const int nd,
  * (both at once took 1.46x the time there). */
 static inline ALWAYS void tiled_block8(const int kind, const int ni, const int nd, const TiledSrc *w, long K, long rb, long b,
                                        const __m256i *tile, const uint8_t *const *blks, const Act *acts, __m256 s[][2]) {
-    const long C = K / 64, run = tiled_run_bytes(kind);
+    const long run = tiled_run_bytes(kind);
     const int q6 = per16(kind), units = q6 ? 4 : 2, mins = kmins(kind), nh = ni == 1 || !q6 || nd == 1 ? 2 : 1;
-    const uint8_t *src = w->codes + (rb * C + 4 * b) * run;
+    const uint8_t *src = tiled_codes(kind, w, K, rb, b);
     const int shift = q6 ? 4 : 3;
     const long g0 = (q6 ? rb * (K / 16) + 16 * b : rb * (K / 32) + 8 * b);
     __m256 f[2][2]; /* half h's scale factors f[h][0] and min factors f[h][1] */
@@ -333,7 +327,7 @@ static inline int fly_passes8(int kind) { return kind == 0 ? 4 : 1; }
  * 2 (16 cc + l) + h (the codes line_codes gives, so the same integers). */
 static inline ALWAYS void store_tile8_k(const int kind, const TiledSrc *w, long K, long rb, long b, __m256i *tile) {
     const long run = tiled_run_bytes(kind);
-    const uint8_t *src = w->codes + (rb * (K / 64) + 4 * b) * run;
+    const uint8_t *src = tiled_codes(kind, w, K, rb, b);
 #pragma GCC unroll 1
     for (int cc = 0; cc < 4; cc++, src += run)
 #pragma GCC unroll 16

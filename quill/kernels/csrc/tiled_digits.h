@@ -60,6 +60,11 @@ typedef struct {
     const uint16_t *scale_d, *mins_d;
 } TiledSrc;
 
+/* Where super-block b of row block rb starts in w's codes: its four 64-column runs of tiled_run_bytes(kind) each. */
+static inline const uint8_t *tiled_codes(int kind, const TiledSrc *w, long K, long rb, long b) {
+    return w->codes + (rb * (K / 64) + 4 * b) * tiled_run_bytes(kind);
+}
+
 /* 1 where a tiled weight of block kind `kind` (one of the tiled kernels') fits them: K a multiple of 256, N of
  * 16, and the scale streams the kind needs (Q4_K, Q5_K: mins and their factors; Q2_K: both factors; Q8_0: no
  * mins). The one check for every tiled entry (kquant_i8.c's, tiled_avx2.c's), each of which adds its kinds. */
@@ -121,7 +126,7 @@ static int tiled_ahead(int kind, int items) {
 static inline ALWAYS void tiled_prefetch(int form, int kind, const TiledSrc *w, long nblk, long C, long run, long rb,
                                        long b) {
     const long sb = rb * nblk + b, per = per16(kind) || kind == LAYOUT_Q8 ? 256 : 128; /* int8 scales (Q8_0: fp16) */
-    const uint8_t *codes = w->codes + (rb * C + 4 * b) * run;
+    const uint8_t *codes = tiled_codes(kind, w, C * 64, rb, b);
     /* ASK(p, n, ahead) for each stream: its n bytes of this super-block (the L2 form 2 * ahead bytes ahead) */
 #define STREAMS(ASK)                                                                                 \
     do {                                                                                             \
