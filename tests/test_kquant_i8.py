@@ -79,10 +79,11 @@ def test_activation_rounding_is_the_stated_one(B):
         assert np.array_equal(item[:K].view(np.int8), q[b])
         assert np.array_equal(item[K:K + K // 8].view(np.float32), d[b])
         s16 = q[b].astype(np.int64).reshape(-1, 16).sum(-1)
-        s32 = (s16[0::2] + s16[1::2]).astype(np.float32)
-        assert np.array_equal(item[K + K // 8:K + K // 4].view(np.float32), d[b] * s32)
-        assert np.array_equal(item[K + K // 4:K + K // 2].view(np.float32), s16.astype(np.float32))
-        assert np.array_equal(item[K + K // 2:].view(np.float32), s32)
+        s32 = s16[0::2] + s16[1::2]
+        assert np.array_equal(item[K + K // 8:K + K // 4].view(np.float32), d[b] * s32.astype(np.float32))
+        # the offset terms: Q6_K's -32 per 16 codes' sum, IQ4_XS's and Q8_0's -128 per group's
+        assert np.array_equal(item[K + K // 4:K + K // 2].view(np.int32), -32 * s16)
+        assert np.array_equal(item[K + K // 2:].view(np.int32), -128 * s32)
 
 
 # every type at K = 768 (quad-order stretches throughout); the q4 / q8 layouts, which allow any K % 32 == 0,

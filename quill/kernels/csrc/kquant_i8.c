@@ -11,9 +11,10 @@
  *
  * Activations (quill_act8_quantize): for each item and each group g of 32 inputs,
  *   dx[g] = max|x| / 127,  q = round-to-nearest-even(x * (1 / dx[g])) in -127..127,
- * and alongside them the sums the weight formats' offsets need: s16 (each 16 codes' sum), s32 (each
- * group's), both integers held exactly as floats, and xs[g] = dx[g] * s32[g]. One item's buffer is
- *   q: K int8 | dx: K/32 fp32 | xs: K/32 fp32 | s16: K/16 fp32 | s32: K/32 fp32   (act_bytes(K) = 1.625 K).
+ * and alongside them what the weight formats' offsets and mins need, from the sums s16 (each 16 codes') and
+ * s32 (each group's): the offset terms o16 = -32 s16 (Q6_K's) and o32 = -128 s32 (IQ4_XS's and Q8_0's),
+ * int32, and xs[g] = dx[g] * s32[g]. One item's buffer is
+ *   q: K int8 | dx: K/32 fp32 | xs: K/32 fp32 | o16: K/16 int32 | o32: K/32 int32   (act_bytes(K) = 1.625 K).
  *
  * A row's result is then sum over groups of (weight scale * dx) * (integer codes . q), plus the
  * formats' offsets, in fp32:
@@ -22,8 +23,9 @@
  *   IQ4_XS      w = d (ls - 32) k[q]     -> codes k[q] + 128 unsigned: (scale_g dx_g) ((k.x)_g - 128 s32_g)
  *   q4 layout   w = scale q + min        -> (scale_g dx_g) (q.x)_g + min_g xs_g
  *   q8 layout   (Q8_0, Q5_1) codes w + 128 unsigned: (scale_g dx_g) ((w.x)_g - 128 s32_g) + min_g xs_g
- * (c: 16-weight chunk, g: 32-weight group; integer dots are exact in int32, and so is each offset
- * subtracted from them in fp32, every term being an integer below 2^24.)
+ * (c: 16-weight chunk, g: 32-weight group; integer dots are exact in int32, and each dot starts from its
+ * offset term (o16, o32), so the offsets are taken off in the integers: the same floats as subtracting them
+ * in fp32, every term being an integer below 2^24, without an fp32 operation per unit and item.)
  *
  * Batch invariance: each (row, item) pair runs the same instructions in the same order wherever the
  * item sits in the batch; items only share the decoded weights. Block layouts: facts from GGML's
@@ -60,8 +62,8 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
     for (int b = 0; b < B; b++) {
         uint8_t *p = buf + (long)b * act_bytes(K);
         int8_t *q = (int8_t *)p;
-        float *dx = (float *)(p + K), *xs = (float *)(p + K + K / 8), *s16 = (float *)(p + K + K / 4);
-        float *s32 = (float *)(p + K + K / 2);
+        float *dx = (float *)(p + K), *xs = (float *)(p + K + K / 8);
+        int32_t *o16 = (int32_t *)(p + K + K / 4), *o32 = (int32_t *)(p + K + K / 2);
         for (int g = 0; g < K / 32; g++) {
             const float *xg = x + (long)b * K + 32L * g;
             __m256 v[4];
@@ -78,13 +80,13 @@ void quill_act8_quantize(const float *x, uint8_t *buf, int B, int K, int threads
             const __m256i bytes = _mm256_permutevar8x32_epi32(
                 _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), order);
             _mm256_storeu_si256((__m256i *)(q + 32L * g), bytes);
-            const float lo = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[0], i[1])));
-            const float hi = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[2], i[3])));
-            s16[2 * g] = lo;
-            s16[2 * g + 1] = hi;
-            s32[g] = lo + hi;
+            const int lo = (int)hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[0], i[1]))); /* |sum| <= 2032: exact */
+            const int hi = (int)hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(i[2], i[3])));
+            o16[2 * g] = -32 * lo;
+            o16[2 * g + 1] = -32 * hi;
+            o32[g] = -128 * (lo + hi);
             dx[g] = d;
-            xs[g] = d * s32[g];
+            xs[g] = d * (float)(lo + hi);
         }
     }
 }
@@ -376,14 +378,21 @@ VNNI static inline ALWAYS __m512 digits_unit(__m512 sc, const __m512 *mn, const 
     return mins ? with_min(*mn, minus, ((const float *)(blk + (q6 ? DIG_FROM : DIG_XS)))[u], s) : s; /* q6: Q2_K's */
 }
 
+/* Where an int8 item's dot of unit u (a group; Q6_K: a 16-chunk) of super-block b starts (a: its activations):
+ * the format's offset term (o16: Q6_K's 32 per code; o32: IQ4_XS's and Q8_0's 128), or zero. Started there,
+ * the dot has the offset taken off in the integers (exact), which int8_unit's float sequence reads. */
+VNNI static inline ALWAYS __m512i int8_from(const Act *a, long b, int u, int offset) {
+    return offset == 32 ? _mm512_set1_epi32(a->o16[16 * b + u]) : offset == 128 ? _mm512_set1_epi32(a->o32[8 * b + u])
+                                                                 : _mm512_setzero_si512();
+}
+
 /* s after unit u (a group; Q6_K: a 16-chunk) of super-block b of an int8 item (a: its activations) whose integer
- * dot is D: the dot, less the format's offset times the unit's sum of codes, times (the scale * dx), then,
- * where the format has them, the min. The one definition of the int8 float sequence, for tile_items and
+ * dot, less the format's offset times the unit's sum of codes (int8_from), is D: the dot times (the scale * dx),
+ * then, where the format has them, the min. The one definition of the int8 float sequence, for tile_items and
  * fuse_chunk, whose sums agree bit for bit. */
-VNNI static inline ALWAYS __m512 int8_unit(__m512 sc, const __m512 *mn, const Act *a, long b, int u, int q6, int offset,
+VNNI static inline ALWAYS __m512 int8_unit(__m512 sc, const __m512 *mn, const Act *a, long b, int u, int q6,
                                            int has_mins, int minus, __m512i D, __m512 s) {
-    __m512 f = _mm512_cvtepi32_ps(D);
-    if (offset) f = _mm512_fnmadd_ps(_mm512_set1_ps((float)offset), _mm512_set1_ps(q6 ? a->s16[16 * b + u] : a->s32[8 * b + u]), f);
+    const __m512 f = _mm512_cvtepi32_ps(D);
     s = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(a->dx[8 * b + (q6 ? u / 2 : u)])), s);
     return has_mins && !q6 ? with_min(*mn, minus, a->xs[8 * b + u], s) : s;
 }
@@ -470,17 +479,19 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
     const uint8_t *src = fly ? tiled_codes(kind, w, K, rb, b) : NULL;
     __m512 s[IT];
     const int8_t *qb[IT]; /* each item's activations of this block (digits: its block, planes at DIG_Q + 256 p) */
+    Act ai[IT];           /* int8: each item's scales and sums */
     for (int i = 0; i < nb; i++) {
         s[i] = _mm512_loadu_ps(acc + 16 * i);
-        qb[i] = nd == 1 ? act_at(act, K, i0 + i).q + 256 * b : (const int8_t *)dig_block(act, K, i0 + i, b);
+        if (nd == 1) ai[i] = act_at(act, K, i0 + i);
+        qb[i] = nd == 1 ? ai[i].q + 256 * b : (const int8_t *)dig_block(act, K, i0 + i, b);
     }
     for (int u = 0; u < units; u++) {
-        /* DD[i][p]: item i's dot of unit u in plane p (int8: one plane; digits: three, each from its offset
-         * term). Through the tile (no fz) each code register is loaded once, into every item's chains. */
+        /* DD[i][p]: item i's dot of unit u in plane p (int8: one plane; digits: three), each from its offset
+         * term. Through the tile (no fz) each code register is loaded once, into every item's chains. */
         __m512i DD[IT][3];
         for (int i = 0; i < nb; i++)
             for (int p = 0; p < nd; p++) {
-                const __m512i from = nd == 3 ? digits_from((const uint8_t *)qb[i], u, p, offset) : _mm512_setzero_si512();
+                const __m512i from = nd == 3 ? digits_from((const uint8_t *)qb[i], u, p, offset) : int8_from(&ai[i], b, u, offset);
                 DD[i][p] = !fz ? from : _mm512_add_epi32(from, q6 ? fz->d[p][u] : _mm512_add_epi32(fz->d[p][2 * u], fz->d[p][2 * u + 1]));
             }
         if (!fz)
@@ -500,8 +511,7 @@ VNNI static inline ALWAYS void tile_items(const int kind, const int nd, const Ti
                 s[i] = digits_unit(sc, has_mins ? mn : NULL, (const uint8_t *)qb[i], u, q6, has_mins, minus, DD[i], s[i]);
                 continue;
             }
-            const Act a = act_at(act, K, i0 + i);
-            s[i] = int8_unit(sc, mn, &a, b, u, q6, offset, has_mins, minus, DD[i][0], s[i]);
+            s[i] = int8_unit(sc, mn, &ai[i], b, u, q6, has_mins, minus, DD[i][0], s[i]);
         }
     }
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(acc + 16 * i, s[i]);
@@ -717,10 +727,10 @@ VNNI static inline ALWAYS void fuse_chunk(const int kind, const int nd, const __
     for (int j = 0; j < per; j++) {
         const int u = per * cc + j;
         __m512i D[3]; /* lpa: lines per accumulator, 4 (a unit's dot in one or two of them) or 8 (one) */
-        for (int p = 0; p < nd; p++) /* (digits: the offset terms are in, decode_tiled starts each unit's dots from them) */
+        for (int p = 0; p < nd; p++) /* (the offset terms are in, decode_tiled starts each unit's dots from them) */
             D[p] = q6 || lpa == 8 ? acc[p][j] : _mm512_add_epi32(acc[p][2 * j], acc[p][2 * j + 1]);
         *s = nd == 3 ? digits_unit(sc[j], &mn[j], blk, u, q6, mins, mins, D, *s)
-                     : int8_unit(sc[j], &mn[j], a, b, u, q6, code_offset(kind), mins, mins, D[0], *s);
+                     : int8_unit(sc[j], &mn[j], a, b, u, q6, mins, mins, D[0], *s);
     }
 }
 
@@ -750,8 +760,9 @@ VNNI static inline ALWAYS void decode_tiled(const int kind, const TiledSrc *w, l
                                                          * thread, 256 x 2048 in L2, batch 1: Q6_K 0.945x the time,
                                                          * IQ4_XS 0.96x, Q8_0 0.98x (Q4_K and Q5_K have no offset) */
                     const int line = 16 * cc + lpa * k, unit_lines = per16(kind) ? 4 : 8; /* a 16-chunk or a group */
-                    acc[i][p][k] = nd == 1 || line % unit_lines ? _mm512_setzero_si512() /* int8: offsets in fp32 */
-                                                                : digits_from(blks[i], line / unit_lines, p, code_offset(kind));
+                    acc[i][p][k] = line % unit_lines ? _mm512_setzero_si512()
+                                   : nd == 1 ? int8_from(&acts[i], b, line / unit_lines, code_offset(kind))
+                                             : digits_from(blks[i], line / unit_lines, p, code_offset(kind));
                 }
 #define PUT(line, v)                                                                                          \
     do {                                                                                                      \

@@ -11,13 +11,14 @@ static inline long act_bytes(long K) { return K + K / 8 + K / 8 + K / 4 + K / 8;
 
 typedef struct {
     const int8_t *q;
-    const float *dx, *xs, *s16, *s32;
+    const float *dx, *xs;
+    const int32_t *o16, *o32; /* the offset terms: -32 x each 16 codes' sum (Q6_K), -128 x each group's (IQ4_XS, Q8_0) */
 } Act;
 
 static inline Act act_at(const uint8_t *buf, long K, int b) {
     const uint8_t *p = buf + (long)b * act_bytes(K);
-    return (Act){(const int8_t *)p, (const float *)(p + K), (const float *)(p + K + K / 8), (const float *)(p + K + K / 4),
-                 (const float *)(p + K + K / 2)};
+    return (Act){(const int8_t *)p, (const float *)(p + K), (const float *)(p + K + K / 8), (const int32_t *)(p + K + K / 4),
+                 (const int32_t *)(p + K + K / 2)};
 }
 
 /* 1 for the block kinds the tiles take (both paths, both ISAs): 0 Q4_K, 1 Q6_K, 4 IQ4_XS, 5 Q5_K. */

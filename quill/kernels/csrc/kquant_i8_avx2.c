@@ -245,11 +245,11 @@ static inline ALWAYS void decode8(const int kind, const uint8_t *const *rows, lo
 
 /* Item a's fp32 step for unit u of block b (the header's sequence), given the unit's integer dot. */
 static inline ALWAYS __m256 unit_float(const int kind, __m256i dot, const Tile8 *t, const Act *a, long b, int u, __m256 s) {
-    const __m256 f = _mm256_cvtepi32_ps(dot);
-    if (kind == 1) {
-        const __m256 g = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), _mm256_set1_ps(a->s16[16 * b + u]), f);
+    if (kind == 1) { /* the offset taken off in the integers (o16 = -32 s16_u): the same float as in fp32 */
+        const __m256 g = _mm256_cvtepi32_ps(_mm256_add_epi32(dot, _mm256_set1_epi32(a->o16[16 * b + u])));
         return _mm256_fmadd_ps(g, _mm256_mul_ps(t->sc[u], _mm256_set1_ps(a->dx[8 * b + u / 2])), s);
     }
+    const __m256 f = _mm256_cvtepi32_ps(dot);
     s = _mm256_fmadd_ps(f, _mm256_mul_ps(t->sc[u], _mm256_set1_ps(a->dx[8 * b + u])), s);
     return kind == 4 ? s : _mm256_fnmadd_ps(t->mn[u], _mm256_set1_ps(a->xs[8 * b + u]), s);
 }

@@ -203,8 +203,7 @@ static inline ALWAYS __m256 digits_unit8(__m256 sc, __m256 mn, const uint8_t *bl
  * product with the plain dot is theirs. The mins are added as the layout keeps them (-dmin m): their sum. */
 static inline ALWAYS __m256 int8_unit8(__m256 sc, __m256 mn, const Act *a, long b, int u, int q6, int mins, int x16, __m256i D,
                                        __m256 s) {
-    __m256 f = _mm256_cvtepi32_ps(D);
-    if (q6) f = _mm256_fnmadd_ps(_mm256_set1_ps(32.f), _mm256_set1_ps(a->s16[16 * b + u]), f); /* Q6_K's offset */
+    const __m256 f = _mm256_cvtepi32_ps(q6 ? _mm256_add_epi32(D, _mm256_set1_epi32(a->o16[16 * b + u])) : D); /* Q6_K's offset */
     __m256 m = _mm256_mul_ps(sc, _mm256_set1_ps(a->dx[8 * b + (q6 ? u / 2 : u)]));
     if (x16) m = _mm256_mul_ps(m, _mm256_set1_ps(16.f));
     s = _mm256_fmadd_ps(f, m, s);
