@@ -273,3 +273,30 @@ def test_each_figure_alternates_the_engines_and_reports_medians(monkeypatch):
     assert out["quill"]["decode_tps"] == {"2x8": 2} and out["llama.cpp"]["decode_tps"] == {"2x8": 8}
     assert out["quill"]["step_breakdown"] == {"2x8": {"step_ms": 11.0}} and out["llama.cpp"]["step_breakdown"] == {}
     assert probes == [7.0]
+
+
+def test_decode_batches_take_turns_within_each_round(monkeypatch):
+    """A context's batches alternate run by run (b1 b16, b16 b1, b1 b16), each with the engines alternating,
+    so a batch's ratio to batch 1 compares runs made under the same conditions; each figure is the median of
+    its own runs, and one bandwidth probe comes before each batch's first run."""
+    import argparse
+
+    from quill.bench import latency
+
+    monkeypatch.setattr(latency, "measure_bandwidth", lambda repeats: 7.0)
+    log: list = []
+    quill = _FakeRunner("quill", log, [1, 10, 30, 3, 2, 20])
+    ref = _FakeRunner("llama.cpp", log, [4, 40, 60, 6, 5, 50])
+    args = argparse.Namespace(repeats=3, decode_steps=4)
+    probes: list[float] = []
+    out = latency._measure({"quill": quill, "llama.cpp": ref}, list(range(32)), [], [1, 16], [8], args, probes)
+    assert [(call[0], call[1]) for call in log] == [("quill", "decode 1x8"), ("llama.cpp", "decode 1x8"),
+                                                   ("quill", "decode 16x8"), ("llama.cpp", "decode 16x8"),
+                                                   ("llama.cpp", "decode 16x8"), ("quill", "decode 16x8"),
+                                                   ("llama.cpp", "decode 1x8"), ("quill", "decode 1x8"),
+                                                   ("quill", "decode 1x8"), ("llama.cpp", "decode 1x8"),
+                                                   ("quill", "decode 16x8"), ("llama.cpp", "decode 16x8")]
+    assert out["quill"]["decode_tps"] == {"1x8": 2, "16x8": 20}
+    assert out["llama.cpp"]["decode_tps"] == {"1x8": 5, "16x8": 50}
+    assert out["quill"]["step_breakdown"] == {"1x8": {"step_ms": 9.0}, "16x8": {"step_ms": 11.0}}
+    assert probes == [7.0, 7.0]

@@ -272,8 +272,12 @@ def _measure(runners: dict, tokens, prefill, batches, contexts, args, probes: li
     (A B, B A, A B, ...: neither always goes first), and each engine's median is reported: on a shared host
     the read bandwidth moves from minute to minute (an AMD EPYC Zen 4 VM read 36 GB/s, then 64 a few minutes
     later), and measuring one engine after the other compared them under different conditions (a matrix
-    had quill's 3B run at 36 GB/s and llama.cpp's at up to 60). The bandwidth probed before each decode
-    figure is appended to probes; the roofline is taken against the highest probe of the model's run."""
+    had quill's 3B run at 36 GB/s and llama.cpp's at up to 60). For the same reason a context's decode batches
+    take turns too, one run of each per round (b1 b16, b16 b1, ...), so a batch's ratio to batch 1 compares
+    runs under the same conditions: measured one batch after the other, batch 1 of the same build read 31 to
+    44 tok/s on one Zen 4 from run to run, and the ratio moved with it. The bandwidth probed before each
+    decode figure's first run is appended to probes; the roofline is taken against the highest probe of the
+    model's run."""
     out = {name: {"prefill_tps": {}, "decode_tps": {}, "step_breakdown": {}} for name in runners}
 
     def alternate(figure) -> dict[str, float]:
@@ -287,14 +291,18 @@ def _measure(runners: dict, tokens, prefill, batches, contexts, args, probes: li
         for name, tps in alternate(lambda r, first: r.prefill_tps(tokens[:n], 1, warm=first)).items():
             out[name]["prefill_tps"][str(n)] = tps
     for ctx in contexts:
-        for b in batches:
-            probes.append(measure_bandwidth(args.repeats))
-            key = f"{b}x{ctx}"
-            for name, tps in alternate(lambda r, first: r.decode_tps(tokens[:ctx], b, args.decode_steps, 1)).items():
-                out[name]["decode_tps"][key] = tps
-                breakdown = getattr(runners[name], "last_breakdown", None)
-                if breakdown:
-                    out[name]["step_breakdown"][key] = breakdown
+        runs = {(name, b): [] for b in batches for name in runners}
+        for i in range(args.repeats):
+            for b in (batches if i % 2 == 0 else list(reversed(batches))):
+                if i == 0:
+                    probes.append(measure_bandwidth(args.repeats))
+                for name in (list(runners) if i % 2 == 0 else list(reversed(runners))):
+                    runs[name, b].append(runners[name].decode_tps(tokens[:ctx], b, args.decode_steps, 1))
+                    breakdown = getattr(runners[name], "last_breakdown", None)
+                    if breakdown:
+                        out[name]["step_breakdown"][f"{b}x{ctx}"] = breakdown
+        for (name, b), values in runs.items():
+            out[name]["decode_tps"][f"{b}x{ctx}"] = statistics.median(values)
     return out
 
 
