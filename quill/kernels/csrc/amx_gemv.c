@@ -558,6 +558,77 @@ AMX static inline void unpack_q6_levels(const uint8_t *src, const int8_t *sc, ui
         _tile_dpbsud(h, 7, 5);                                                                  \
     } while (0)
 
+/* acc += one item's super-block: its four levels (C rows r, plus the odd products' rows r2 where they have
+ * tiles of their own, else NULL), the 4096 offset taken off levels 1-3 in int32 (ds: 16 x its digits' sums),
+ * recombined in fp32 and scaled by the rows' fp16 factors d times the item's 2^(e-22). The one definition for
+ * both Q6_K loops, so an item's bits do not depend on which ran it. */
+AMX static inline __m512 q6_combine(__m512 acc, const int32_t *r, const int32_t *r2, const int32_t *ds, __m512 d, float xsc) {
+    __m512i L[4];
+    for (int l = 0; l < 4; l++) {
+        L[l] = _mm512_load_si512(r + 16 * l);
+        if (r2) L[l] = _mm512_add_epi32(L[l], _mm512_load_si512(r2 + 16 * l));
+        if (l) L[l] = _mm512_sub_epi32(L[l], _mm512_set1_epi32(ds[l - 1])); /* the 4096 offset */
+    }
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L[1]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(L[0]));
+    const __m512i hi = _mm512_add_epi32(L[2], _mm512_slli_epi32(L[3], 8));
+    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.f), lo);
+    return _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xsc)), acc);
+}
+
+/* Batch 1 of Q6_K: each thread's share of the row blocks in two halves, block i of each side by side (C tiles 0
+ * and 2 for the first, 1 and 3 for the second; the digit tiles shared), as b1_two_streams (below) does for the
+ * other kinds and for the same reason. The same products and q6_combine in the same order as q6_levels_gemv's
+ * loop at batch 1 (one item: the odd products in tiles of their own), so the same bits. */
+AMX static void q6_b1_two_streams(const uint8_t *codes, const int8_t *sc8, const uint16_t *dv, const int8_t *a,
+                                  const float *xscale, const int32_t *dsum, float *out, int RB, int C, int S, int G16) {
+    const int E = q6_rows(1);
+    _Alignas(64) uint8_t staged[2][2][2][1024]; /* [stream][chunk parity][even, odd] */
+    _Alignas(64) int32_t ctile[2][2][4 * 16];   /* [stream][even, odd] */
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int lo = (int)((long)RB * t / T), n = (int)((long)RB * (t + 1) / T) - lo, H = (n + 1) / 2;
+    for (int i = 0; i < H; i++) {
+        const int rbs[2] = {lo + i, lo + H + i}, ns = H + i < n ? 2 : 1;
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int k = 0; k < ns; k++)
+            unpack_q6_levels(codes + (long)rbs[k] * C * 768, sc8 + (long)rbs[k] * G16 * 16, staged[k][0][0], staged[k][0][1]);
+        for (int s = 0; s < S; s++) {
+            _tile_zero(0); _tile_zero(2);
+            if (ns == 2) { _tile_zero(1); _tile_zero(3); }
+            for (int c = 4 * s; c < 4 * s + 4; c++) {
+                const int p = c & 1;
+                const int8_t *ac = a + (long)c * 2 * E * 64;
+                _tile_loadd(6, ac, 64);
+                _tile_loadd(7, ac + 64L * E, 64);
+                _tile_loadd(4, staged[0][p][0], 64);
+                _tile_loadd(5, staged[0][p][1], 64);
+                _tile_dpbsud(0, 6, 4);
+                _tile_dpbsud(2, 7, 5);
+                if (ns == 2) {
+                    _tile_loadd(4, staged[1][p][0], 64);
+                    _tile_loadd(5, staged[1][p][1], 64);
+                    _tile_dpbsud(1, 6, 4);
+                    _tile_dpbsud(3, 7, 5);
+                }
+                if (c + 1 < C)
+                    for (int k = 0; k < ns; k++) {
+                        const uint8_t *blk = codes + (long)rbs[k] * C * 768;
+                        prefetch_block(blk + (c + 1) * 768L, 768);
+                        unpack_q6_levels(blk + (c + 1) * 768L, sc8 + (long)rbs[k] * G16 * 16 + (c + 1) * 64L,
+                                         staged[k][p ^ 1][0], staged[k][p ^ 1][1]);
+                    }
+            }
+            _tile_stored(0, ctile[0][0], 64);
+            _tile_stored(2, ctile[0][1], 64);
+            if (ns == 2) { _tile_stored(1, ctile[1][0], 64); _tile_stored(3, ctile[1][1], 64); }
+            for (int k = 0; k < ns; k++) {
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + ((long)rbs[k] * S + s) * 16)));
+                acc[k] = q6_combine(acc[k], ctile[k][0], ctile[k][1], dsum + (long)s * 4, d, xscale[s]);
+            }
+        }
+        for (int k = 0; k < ns; k++) _mm512_storeu_ps(out + (long)rbs[k] * 16, acc[k]);
+    }
+}
+
 AMX static void q6_levels_gemv(const void *codes, const void *scale, const void *scale_d, const float *x, float *out,
                                int N, int K, int B, int ld, void *scratch, int threads) {
     const int C = K / 64, S = K / 256, G16 = K / 16, RB = N / 16, E = q6_rows(B);
@@ -576,67 +647,60 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
             const TileConfig cfg = tile_config(rows);
             _tile_loadconfig(&cfg);
         }
-        _Alignas(64) uint8_t staged[2][2][1024];
-        _Alignas(64) int32_t ctile[2][4 * 256];
-        int first = 1;
+        if (B == 1) {
+            q6_b1_two_streams((const uint8_t *)codes, sc8, dv, a, xscale, dsum, out, RB, C, S, G16);
+        } else {
+            _Alignas(64) uint8_t staged[2][2][1024];
+            _Alignas(64) int32_t ctile[2][4 * 256];
+            int first = 1;
 #pragma omp for schedule(static)
-        for (int rb = 0; rb < RB; rb++) {
-            const uint8_t *blk = (const uint8_t *)codes + (long)rb * C * 768;
-            if (first) { prefetch_start(blk); first = 0; }
-            const int8_t *scb = sc8 + (long)rb * G16 * 16;
-            for (int b0 = 0; b0 < B; b0 += ITEMS) {
-                const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (nb + 3) / 4, two = tiles <= 2;
-                const int use2 = tiles > 2 || two, use3 = tiles > 3 || (two && tiles > 1); /* C tiles 2, 3 in use */
-                __m512 acc[ITEMS];
-                for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
-                /* each chunk's weight tiles are written one chunk ahead, so their tile loads do not wait on
-                 * the stores that made them */
-                unpack_q6_levels(blk, scb, staged[0][0], staged[0][1]);
-                for (int s = 0; s < S; s++) {
-                    _tile_zero(0);
-                    if (tiles > 1) _tile_zero(1);
-                    if (use2) _tile_zero(2);
-                    if (use3) _tile_zero(3);
-                    for (int c = 4 * s; c < 4 * s + 4; c++) {
-                        _tile_loadd(4, staged[c & 1][0], 64);
-                        _tile_loadd(5, staged[c & 1][1], 64);
-                        const int8_t *ac = a + ((long)c * 2 * E + Q6_LEVELS * b0) * 64;
-                        if (two) { /* the odd products into tiles of their own: two chains per C row */
-                            Q6_PRODUCTS(0, 2, ac, E);
-                            if (tiles > 1) Q6_PRODUCTS(1, 3, ac + 1024, E);
-                        } else {
-                            Q6_PRODUCTS(0, 0, ac, E);
-                            Q6_PRODUCTS(1, 1, ac + 1024, E);
-                            Q6_PRODUCTS(2, 2, ac + 2048, E);
-                            if (tiles > 3) Q6_PRODUCTS(3, 3, ac + 3072, E);
+            for (int rb = 0; rb < RB; rb++) {
+                const uint8_t *blk = (const uint8_t *)codes + (long)rb * C * 768;
+                if (first) { prefetch_start(blk); first = 0; }
+                const int8_t *scb = sc8 + (long)rb * G16 * 16;
+                for (int b0 = 0; b0 < B; b0 += ITEMS) {
+                    const int nb = B - b0 < ITEMS ? B - b0 : ITEMS, tiles = (nb + 3) / 4, two = tiles <= 2;
+                    const int use2 = tiles > 2 || two, use3 = tiles > 3 || (two && tiles > 1); /* C tiles 2, 3 in use */
+                    __m512 acc[ITEMS];
+                    for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
+                    /* each chunk's weight tiles are written one chunk ahead, so their tile loads do not wait on
+                     * the stores that made them */
+                    unpack_q6_levels(blk, scb, staged[0][0], staged[0][1]);
+                    for (int s = 0; s < S; s++) {
+                        _tile_zero(0);
+                        if (tiles > 1) _tile_zero(1);
+                        if (use2) _tile_zero(2);
+                        if (use3) _tile_zero(3);
+                        for (int c = 4 * s; c < 4 * s + 4; c++) {
+                            _tile_loadd(4, staged[c & 1][0], 64);
+                            _tile_loadd(5, staged[c & 1][1], 64);
+                            const int8_t *ac = a + ((long)c * 2 * E + Q6_LEVELS * b0) * 64;
+                            if (two) { /* the odd products into tiles of their own: two chains per C row */
+                                Q6_PRODUCTS(0, 2, ac, E);
+                                if (tiles > 1) Q6_PRODUCTS(1, 3, ac + 1024, E);
+                            } else {
+                                Q6_PRODUCTS(0, 0, ac, E);
+                                Q6_PRODUCTS(1, 1, ac + 1024, E);
+                                Q6_PRODUCTS(2, 2, ac + 2048, E);
+                                if (tiles > 3) Q6_PRODUCTS(3, 3, ac + 3072, E);
+                            }
+                            if (c + 1 < C) {
+                                prefetch_block(blk + (c + 1) * 768L, 768);
+                                unpack_q6_levels(blk + (c + 1) * 768L, scb + (c + 1) * 64L, staged[(c + 1) & 1][0],
+                                                 staged[(c + 1) & 1][1]);
+                            }
                         }
-                        if (c + 1 < C) {
-                            prefetch_block(blk + (c + 1) * 768L, 768);
-                            unpack_q6_levels(blk + (c + 1) * 768L, scb + (c + 1) * 64L, staged[(c + 1) & 1][0],
-                                             staged[(c + 1) & 1][1]);
-                        }
+                        _tile_stored(0, ctile[0], 64);
+                        if (tiles > 1) _tile_stored(1, ctile[0] + 256, 64);
+                        if (use2) _tile_stored(2, two ? ctile[1] : ctile[0] + 512, 64);
+                        if (use3) _tile_stored(3, two ? ctile[1] + 256 : ctile[0] + 768, 64);
+                        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + ((long)rb * S + s) * 16)));
+                        for (int t = 0; t < nb; t++)
+                            acc[t] = q6_combine(acc[t], ctile[0] + 4 * t * 16, two ? ctile[1] + 4 * t * 16 : NULL,
+                                                dsum + ((long)(b0 + t) * S + s) * 4, d, xscale[(long)(b0 + t) * S + s]);
                     }
-                    _tile_stored(0, ctile[0], 64);
-                    if (tiles > 1) _tile_stored(1, ctile[0] + 256, 64);
-                    if (use2) _tile_stored(2, two ? ctile[1] : ctile[0] + 512, 64);
-                    if (use3) _tile_stored(3, two ? ctile[1] + 256 : ctile[0] + 768, 64);
-                    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + ((long)rb * S + s) * 16)));
-                    for (int t = 0; t < nb; t++) {
-                        const int32_t *r = ctile[0] + 4 * t * 16, *r2 = ctile[1] + 4 * t * 16;
-                        const int32_t *ds = dsum + ((long)(b0 + t) * S + s) * 4;
-                        __m512i L[4];
-                        for (int l = 0; l < 4; l++) {
-                            L[l] = _mm512_load_si512(r + 16 * l);
-                            if (two) L[l] = _mm512_add_epi32(L[l], _mm512_load_si512(r2 + 16 * l));
-                            if (l) L[l] = _mm512_sub_epi32(L[l], _mm512_set1_epi32(ds[l - 1])); /* the 4096 offset */
-                        }
-                        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L[1]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(L[0]));
-                        const __m512i hi = _mm512_add_epi32(L[2], _mm512_slli_epi32(L[3], 8));
-                        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.f), lo);
-                        acc[t] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xscale[(long)(b0 + t) * S + s])), acc[t]);
-                    }
+                    for (int t = 0; t < nb; t++) _mm512_storeu_ps(out + (long)(b0 + t) * ld + (long)rb * 16, acc[t]);
                 }
-                for (int t = 0; t < nb; t++) _mm512_storeu_ps(out + (long)(b0 + t) * ld + (long)rb * 16, acc[t]);
             }
         }
     }
