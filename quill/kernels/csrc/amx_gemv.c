@@ -706,17 +706,17 @@ AMX static void q6_levels_gemv(const void *codes, const void *scale, const void 
     }
 }
 
-/* Batch 1 of the q4, iq4 and q5 kinds (quill_amx_gemv's general loop otherwise): each thread splits its share of
- * the row blocks in two halves and takes block i of each side by side, chunk by chunk, so it reads two weight
- * streams at once. Each block's chunk is the same tile product and the same combine, in the same order, as in the
- * general loop, so the output is the same bits (batch invariance holds). On the Intel Xeon with AMX (2 vCPUs, 480
- * MiB L3; 2026-12-08), the 1B files' weights from memory, both loops alternating in one process: Q4_K 19.0-19.5 ->
- * 20.8-21.0 GB/s, IQ4_XS 18.8-18.9 -> 21.0-21.4 (the default model's Q4_1, in L3: 0.96-1.01x the time). With one
- * stream per thread the two threads read about 21 GB/s whatever their arithmetic (without the unpacking, the tile
- * products or the combine: within 6%) and whatever the prefetch's form (T0, T1 or T2, other distances, every other
- * line); this host's read probe reads 27 GB/s with one stream per thread and 30-31 with two to four. Three or four
- * streams here read less than two, and two streams of whole row blocks one after the other (not side by side)
- * gained nothing. */
+/* Batch 1 of every kind but q6 (q6_b1_two_streams; quill_amx_gemv's general loop otherwise): each thread splits
+ * its share of the row blocks in two halves and takes block i of each side by side, chunk by chunk, so it reads
+ * two weight streams at once. Each block's chunk is the same tile product and the same combine, in the same order,
+ * as in the general loop, so the output is the same bits (batch invariance holds). On the Intel Xeon with AMX (2
+ * vCPUs, 480 MiB L3; 2026-12-08), the 1B files' weights from memory, both loops alternating in one process: Q4_K
+ * 19.0-19.5 -> 20.8-21.0 GB/s, IQ4_XS 18.8-18.9 -> 21.0-21.4, Q8_0 (its tiles loaded where they lie) 25.7-26.3 ->
+ * 26.9-27.3; the default model's weights (in L3) 0.92x the time. With one stream per thread the two threads read
+ * about 21 GB/s of Q4_K whatever their arithmetic (without the unpacking, the tile products or the combine: within
+ * 6%) and whatever the prefetch's form (T0, T1 or T2, other distances, every other line); this host's read probe
+ * reads 27 GB/s with one stream per thread and 30-31 with two to four. Three or four streams here read less than
+ * two, and two streams of whole row blocks one after the other (not side by side) gained nothing. */
 AMX static void b1_two_streams(int kind, const void *codes, const Scales *sv, const Scales *mv, int wide, const float *x,
                                int K, int8_t *a, float *xscale, float *xs, float *out, int RB, int C, int G, int threads) {
     const long tb = tile_bytes(kind);
@@ -732,21 +732,22 @@ AMX static void b1_two_streams(int kind, const void *codes, const Scales *sv, co
         for (int i = 0; i < H; i++) { /* (pairing blocks i and i + RB/2 across the threads read 0.95x as fast) */
             const int rbs[2] = {lo + i, lo + H + i}, ns = H + i < n ? 2 : 1;
             __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int k = 0; k < ns; k++) tile_codes(kind, codes, (long)rbs[k] * C, staged[k][0]);
+            const uint8_t *src[2][2]; /* [stream][chunk parity]: q8's codes where they lie, the others' staged */
+            for (int k = 0; k < ns; k++) src[k][0] = tile_codes(kind, codes, (long)rbs[k] * C, staged[k][0]);
             for (int c = 0; c < C; c++) {
                 const int p = c & 1;
                 for (int k = 0; k < ns; k++) prefetch_block((const uint8_t *)codes + ((long)rbs[k] * C + c) * tb, tb);
-                _tile_loadd(4, staged[0][p], 64);
+                _tile_loadd(4, src[0][p], 64);
                 TILE_PRODUCT(0, 2, 4, kind, a + (long)c * ROWS_PER_ITEM * 64); /* the item's 6 rows of digits */
                 TILE_OUT(0, ctile[0]);
                 if (ns == 2) { /* (each C copied out right after its product: 1.09x faster than after both) */
-                    _tile_loadd(5, staged[1][p], 64);
+                    _tile_loadd(5, src[1][p], 64);
                     _tile_zero(1);
                     if (SIGNED_CODES(kind)) _tile_dpbssd(1, 2, 5); else _tile_dpbsud(1, 2, 5);
                     TILE_OUT(1, ctile[1]);
                 }
                 if (c + 1 < C) /* the next chunk's codes, unpacked while these products run */
-                    for (int k = 0; k < ns; k++) tile_codes(kind, codes, (long)rbs[k] * C + c + 1, staged[k][p ^ 1]);
+                    for (int k = 0; k < ns; k++) src[k][p ^ 1] = tile_codes(kind, codes, (long)rbs[k] * C + c + 1, staged[k][p ^ 1]);
                 for (int k = 0; k < ns; k++) {
                     const long g0 = (long)rbs[k] * G;
                     const __m512 s[2] = {load_group(sv, g0 + 2L * c), load_group(sv, g0 + 2L * c + 1)};
@@ -776,7 +777,7 @@ AMX void quill_amx_gemv(int kind, const void *codes, const void *scale, const vo
     const Scales sv = scales_of(kind, scale, scale_d), mv = scales_of(kind, mins, mins_d);
     float *xs = (float *)scratch, *xscale = xs + (long)B * G;
     int8_t *a = (int8_t *)(((uintptr_t)(xscale + (long)B * G) + 63) & ~(uintptr_t)63);
-    if (B == 1 && !(kind & KIND_Q8)) {
+    if (B == 1) {
         b1_two_streams(kind, codes, &sv, &mv, wide, x, K, a, xscale, xs, out, RB, C, G, threads);
         return;
     }
