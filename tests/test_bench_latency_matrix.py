@@ -246,21 +246,25 @@ class _FakeRunner:
         return self.values.pop(0)
 
 
-def test_each_figure_alternates_the_engines_and_reports_medians(monkeypatch):
-    """Every run of a figure alternates quill and llama.cpp (A B, B A, A B), each run one repeat, and each
-    engine's median is its figure; the warm-up prefill only before a figure's first run; one bandwidth probe
-    before each decode figure, for both."""
+def _measure_fakes(monkeypatch, quill_values, ref_values, prefill, batches):
+    """latency._measure over two fake engines (3 repeats, context 8, a probe reading 7.0): (out, log, probes)."""
     import argparse
 
     from quill.bench import latency
 
     monkeypatch.setattr(latency, "measure_bandwidth", lambda repeats: 7.0)
     log: list = []
-    quill = _FakeRunner("quill", log, [10, 30, 20, 1, 3, 2])
-    ref = _FakeRunner("llama.cpp", log, [5, 4, 6, 9, 7, 8])
-    args = argparse.Namespace(repeats=3, decode_steps=4)
+    runners = {"quill": _FakeRunner("quill", log, quill_values), "llama.cpp": _FakeRunner("llama.cpp", log, ref_values)}
     probes: list[float] = []
-    out = latency._measure({"quill": quill, "llama.cpp": ref}, list(range(32)), [16], [2], [8], args, probes)
+    args = argparse.Namespace(repeats=3, decode_steps=4)
+    return latency._measure(runners, list(range(32)), prefill, batches, [8], args, probes), log, probes
+
+
+def test_each_figure_alternates_the_engines_and_reports_medians(monkeypatch):
+    """Every run of a figure alternates quill and llama.cpp (A B, B A, A B), each run one repeat, and each
+    engine's median is its figure; the warm-up prefill only before a figure's first run; one bandwidth probe
+    before each decode figure, for both."""
+    out, log, probes = _measure_fakes(monkeypatch, [10, 30, 20, 1, 3, 2], [5, 4, 6, 9, 7, 8], [16], [2])
     assert [(call[0], call[1]) for call in log] == [("quill", "prefill"), ("llama.cpp", "prefill"),
                                                    ("llama.cpp", "prefill"), ("quill", "prefill"),
                                                    ("quill", "prefill"), ("llama.cpp", "prefill"),
@@ -279,17 +283,7 @@ def test_decode_batches_take_turns_within_each_round(monkeypatch):
     """A context's batches alternate run by run (b1 b16, b16 b1, b1 b16), each with the engines alternating,
     so a batch's ratio to batch 1 compares runs made under the same conditions; each figure is the median of
     its own runs, and one bandwidth probe comes before each batch's first run."""
-    import argparse
-
-    from quill.bench import latency
-
-    monkeypatch.setattr(latency, "measure_bandwidth", lambda repeats: 7.0)
-    log: list = []
-    quill = _FakeRunner("quill", log, [1, 10, 30, 3, 2, 20])
-    ref = _FakeRunner("llama.cpp", log, [4, 40, 60, 6, 5, 50])
-    args = argparse.Namespace(repeats=3, decode_steps=4)
-    probes: list[float] = []
-    out = latency._measure({"quill": quill, "llama.cpp": ref}, list(range(32)), [], [1, 16], [8], args, probes)
+    out, log, probes = _measure_fakes(monkeypatch, [1, 10, 30, 3, 2, 20], [4, 40, 60, 6, 5, 50], [], [1, 16])
     assert [(call[0], call[1]) for call in log] == [("quill", "decode 1x8"), ("llama.cpp", "decode 1x8"),
                                                    ("quill", "decode 16x8"), ("llama.cpp", "decode 16x8"),
                                                    ("llama.cpp", "decode 16x8"), ("quill", "decode 16x8"),

@@ -178,7 +178,7 @@ def test_q6_k_tiled_error_is_its_super_block_digits(batch):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [64, 48])  # batch 1 pairs row blocks i and i + 2: 48 leaves one alone
+@pytest.mark.parametrize("rows", [64, 48])  # batch 1 pairs the halves of a thread's row blocks: 3 leave one alone
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0] + BLOCK_TILED, ids=lambda t: t.name)
 def test_tiled_kernel_rows_are_batch_invariant(qtype, rows):
     _, t, _ = tiled_pair(qtype, rows=rows, seed=3)

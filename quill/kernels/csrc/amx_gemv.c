@@ -451,11 +451,12 @@ AMX static inline __m512 combine(__m512 acc, const int32_t *r, int wide, const _
 
 /* One product: C tile c = A tile a (digits at `src`) x B tile w (weights). Tile register numbers must be
  * literals, hence a macro. */
+#define TILE_DOT(c, a, w, kind) do { if (SIGNED_CODES(kind)) _tile_dpbssd(c, a, w); else _tile_dpbsud(c, a, w); } while (0)
 #define TILE_PRODUCT(c, a, w, kind, src)                                       \
     do {                                                                       \
         _tile_zero(c);                                                         \
         _tile_loadd(a, (src), 64);                                             \
-        if (SIGNED_CODES(kind)) _tile_dpbssd(c, a, w); else _tile_dpbsud(c, a, w); \
+        TILE_DOT(c, a, w, kind);                                               \
     } while (0)
 
 /* C tile `c` (0 or 1) copied out to dst. */
@@ -558,6 +559,18 @@ AMX static inline void unpack_q6_levels(const uint8_t *src, const int8_t *sc, ui
         _tile_dpbsud(h, 7, 5);                                                                  \
     } while (0)
 
+/* Batch 1's two weight streams (q6_b1_two_streams, b1_two_streams): the calling thread's share of the RB row
+ * blocks, split in two halves whose blocks i go side by side. Pair i's blocks into rbs; returns how many (1 for
+ * the odd share's last), or 0 past the last pair. (Pairing blocks i and i + RB/2 across the threads instead read
+ * 0.95x as fast.) */
+static inline int stream_pair(int RB, int i, int rbs[2]) {
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int lo = (int)((long)RB * t / T), n = (int)((long)RB * (t + 1) / T) - lo, H = (n + 1) / 2;
+    if (i >= H) return 0;
+    rbs[0] = lo + i, rbs[1] = lo + H + i;
+    return H + i < n ? 2 : 1;
+}
+
 /* acc += one item's super-block: its four levels (C rows r, plus the odd products' rows r2 where they have
  * tiles of their own, else NULL), the 4096 offset taken off levels 1-3 in int32 (ds: 16 x its digits' sums),
  * recombined in fp32 and scaled by the rows' fp16 factors d times the item's 2^(e-22). The one definition for
@@ -584,10 +597,8 @@ AMX static void q6_b1_two_streams(const uint8_t *codes, const int8_t *sc8, const
     const int E = q6_rows(1);
     _Alignas(64) uint8_t staged[2][2][2][1024]; /* [stream][chunk parity][even, odd] */
     _Alignas(64) int32_t ctile[2][2][4 * 16];   /* [stream][even, odd] */
-    const int T = omp_get_num_threads(), t = omp_get_thread_num();
-    const int lo = (int)((long)RB * t / T), n = (int)((long)RB * (t + 1) / T) - lo, H = (n + 1) / 2;
-    for (int i = 0; i < H; i++) {
-        const int rbs[2] = {lo + i, lo + H + i}, ns = H + i < n ? 2 : 1;
+    int rbs[2], ns;
+    for (int i = 0; (ns = stream_pair(RB, i, rbs)); i++) {
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int k = 0; k < ns; k++)
             unpack_q6_levels(codes + (long)rbs[k] * C * 768, sc8 + (long)rbs[k] * G16 * 16, staged[k][0][0], staged[k][0][1]);
@@ -727,10 +738,8 @@ AMX static void b1_two_streams(int kind, const void *codes, const Scales *sv, co
         config_tiles(ROWS_PER_ITEM);
         _Alignas(64) uint8_t staged[2][2][1024]; /* [stream][chunk parity] */
         _Alignas(64) int32_t ctile[2][256];
-        const int T = omp_get_num_threads(), t = omp_get_thread_num();
-        const int lo = (int)((long)RB * t / T), n = (int)((long)RB * (t + 1) / T) - lo, H = (n + 1) / 2;
-        for (int i = 0; i < H; i++) { /* (pairing blocks i and i + RB/2 across the threads read 0.95x as fast) */
-            const int rbs[2] = {lo + i, lo + H + i}, ns = H + i < n ? 2 : 1;
+        int rbs[2], ns;
+        for (int i = 0; (ns = stream_pair(RB, i, rbs)); i++) {
             __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
             const uint8_t *src[2][2]; /* [stream][chunk parity]: q8's codes where they lie, the others' staged */
             for (int k = 0; k < ns; k++) src[k][0] = tile_codes(kind, codes, (long)rbs[k] * C, staged[k][0]);
@@ -743,7 +752,7 @@ AMX static void b1_two_streams(int kind, const void *codes, const Scales *sv, co
                 if (ns == 2) { /* (each C copied out right after its product: 1.09x faster than after both) */
                     _tile_loadd(5, src[1][p], 64);
                     _tile_zero(1);
-                    if (SIGNED_CODES(kind)) _tile_dpbssd(1, 2, 5); else _tile_dpbsud(1, 2, 5);
+                    TILE_DOT(1, 2, 5, kind); /* the same digits (tile 2) */
                     TILE_OUT(1, ctile[1]);
                 }
                 if (c + 1 < C) /* the next chunk's codes, unpacked while these products run */
